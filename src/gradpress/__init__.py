@@ -1,0 +1,50 @@
+"""gradpress: data-parallel PyTorch training with two-way compressed communication.
+
+The public API (see the README and ``docs/``)::
+
+    import gradpress as gp
+    gp.init(); gp.rank(); gp.size(); gp.local_rank()
+    y = gp.push_pull(t, name="w", average=True, compression="onebit", ef="vanilla")
+    h = gp.push_pull_async(t, name="w"); y = h.wait()
+    opt = gp.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters(), ...)
+    gp.broadcast_parameters(model.state_dict(), root_rank=0)
+    gp.stats(); gp.shutdown()
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported on first use so `import gradpress` stays light.
+_LAZY = {
+    "init": "gradpress.api",
+    "shutdown": "gradpress.api",
+    "rank": "gradpress.api",
+    "size": "gradpress.api",
+    "local_rank": "gradpress.api",
+    "local_size": "gradpress.api",
+    "is_initialized": "gradpress.api",
+    "push_pull": "gradpress.api",
+    "push_pull_async": "gradpress.api",
+    "Handle": "gradpress.api",
+    "stats": "gradpress.api",
+    "barrier": "gradpress.api",
+    "DistributedOptimizer": "gradpress.torch.optimizer",
+    "broadcast_parameters": "gradpress.torch.broadcast",
+    "broadcast_optimizer_state": "gradpress.torch.broadcast",
+    "broadcast_object": "gradpress.torch.broadcast",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'gradpress' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

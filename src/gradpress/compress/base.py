@@ -1,0 +1,224 @@
+"""The codec protocol and the shared machinery every codec family builds on.
+
+A codec maps a float32 chunk of ``numel`` elements to a uint8 payload of exactly
+``payload_bytes`` (fixed by codec, parameters and numel, so receivers can post buffers in
+advance) and back. Payloads start with the header of :mod:`gradpress.compress.header`.
+
+Subclasses implement ``_body_bytes()``, ``_encode(x, body, key, step)`` and
+``_decode(body, out, header)``; optionally ``_decode_add(body, acc, alpha, header)`` for a
+decode-accumulate without a dense temporary. ``x``/``body``/``out`` are torch tensors on one
+device; CPU paths call numba kernels on ``.numpy()`` views, other devices use torch ops.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from .header import HEADER_BYTES, Header, pack_header, read_header
+from .spec import CodecSpec, Param
+
+__all__ = ["Codec", "NAN_POLICIES", "BACKENDS"]
+
+log = logging.getLogger(__name__)
+
+NAN_POLICIES = ("raise", "allow")
+BACKENDS = ("auto", "numba", "torch")
+
+
+class Codec(abc.ABC):
+    """Base class of all codecs (and, through delegation, of the stateful wrappers).
+
+    Args:
+        numel: number of float32 elements of the chunk this codec encodes.
+        params: resolved parameter values (see each codec's ``PARAMS``).
+        spec: the parsed spec (used for the header fingerprint).
+        seed: seed for codecs that draw random numbers; all randomness is derived from
+            ``(seed, key, step)`` so it is identical on every worker and server.
+        nan_policy: ``"raise"`` rejects non-finite input with ValueError; ``"allow"`` encodes it.
+        backend: ``"auto"`` (numba on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``.
+    """
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    PARAMS: ClassVar[tuple[Param, ...]] = ()
+    #: True when ``_encode`` itself rejects non-finite input (saves a pass over the data).
+    checks_finite: ClassVar[bool] = False
+
+    def __init__(self, numel: int, params: Mapping[str, Any], *, spec: CodecSpec | None = None,
+                 seed: int = 0, nan_policy: str = "raise", backend: str = "auto") -> None:
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}, got {nan_policy!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.numel = numel
+        self.params = dict(params)
+        self.seed = int(seed)
+        self.nan_policy = nan_policy
+        self.backend = backend
+        spec = spec or CodecSpec(self.name)
+        self.spec_text = spec.canonical(self.params)
+        self.fingerprint = spec.fingerprint(self.params)
+        self.payload_bytes = HEADER_BYTES + self._body_bytes()
+
+    # -- subclass hooks -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _body_bytes(self) -> int:
+        """Bytes of the payload after the header, fixed by parameters and numel."""
+
+    @abc.abstractmethod
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+        """Encode float32 ``x`` (1-D, contiguous) into uint8 ``body``."""
+
+    @abc.abstractmethod
+    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+        """Decode ``body`` into float32 ``out`` (1-D, numel)."""
+
+    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
+        """acc += alpha * decode(body). Default: decode into a reused scratch, then add."""
+        tmp = self._scratch("decode_add", acc.device)
+        self._decode(body, tmp, h)
+        acc.add_(tmp, alpha=alpha)
+
+    # -- public API -----------------------------------------------------------------------------
+    def compress(self, x: torch.Tensor, *, key: int = 0, step: int = 0, lr: float | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode ``x`` (any shape, ``numel`` elements, floating) into a uint8 payload.
+
+        Returns ``out`` when given (a 1-D uint8 tensor of ``payload_bytes``; nothing is
+        allocated), else a new tensor. ``lr`` is carried in the header (corrected error feedback).
+        """
+        flat = self._as_input(x)
+        payload = self._out_payload(out, flat.device)
+        pack_header(payload, Header(self.codec_id, int(key), self.numel, int(step), lr,
+                                    self.fingerprint))
+        if self.numel:
+            if self.nan_policy == "raise" and not self.checks_finite:
+                self._check_finite(flat, key)
+            self._encode(flat, payload[HEADER_BYTES:], int(key), int(step))
+        return payload
+
+    def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,
+                   key: int | None = None, step: int | None = None) -> torch.Tensor:
+        """Decode a payload into a float32 tensor of ``numel`` (``out`` when given).
+
+        ``key``/``step``, when given, must match the header; every mismatch is a ValueError.
+        """
+        h = self.check_header(payload, key=key, step=step)
+        if out is None:
+            out = torch.empty(self.numel, dtype=torch.float32, device=payload.device)
+        else:
+            self._check_out(out, "out")
+        if self.numel:
+            self._decode(payload[HEADER_BYTES:], out, h)
+        return out
+
+    def decompress_add(self, payload: torch.Tensor, acc: torch.Tensor, *, alpha: float = 1.0,
+                       key: int | None = None, step: int | None = None) -> Header:
+        """``acc += alpha * decompress(payload)`` without a dense temporary where the format allows."""
+        h = self.check_header(payload, key=key, step=step)
+        self._check_out(acc, "acc")
+        if self.numel:
+            self._decode_add(payload[HEADER_BYTES:], acc, float(alpha), h)
+        return h
+
+    def check_header(self, payload: torch.Tensor, *, key: int | None = None,
+                     step: int | None = None, sender: str | None = None) -> Header:
+        """Validate ``payload`` against this codec; ValueError naming the field that differs."""
+        where = f" from {sender}" if sender else ""
+        h = read_header(payload)
+        if h.codec_id != self.codec_id:
+            raise ValueError(f"payload{where} key {h.key}: codec id {h.codec_id}, expected "
+                             f"{self.codec_id} ({self.name})")
+        if h.numel != self.numel:
+            raise ValueError(f"payload{where} key {h.key}: numel {h.numel}, expected {self.numel}")
+        if h.fingerprint != self.fingerprint:
+            raise ValueError(f"payload{where} key {h.key}: codec config fingerprint "
+                             f"{h.fingerprint:#010x}, expected {self.fingerprint:#010x} "
+                             f"({self.spec_text})")
+        if payload.numel() != self.payload_bytes:
+            kind = "truncated" if payload.numel() < self.payload_bytes else "too long"
+            raise ValueError(f"payload{where} key {h.key}: {kind}, {payload.numel()} bytes, "
+                             f"expected {self.payload_bytes}")
+        if key is not None and h.key != key:
+            raise ValueError(f"payload{where}: key {h.key}, expected {key}")
+        if step is not None and h.step != step:
+            raise ValueError(f"payload{where} key {h.key}: step {h.step}, expected {step}")
+        return h
+
+    # stateless codecs have no state; wrappers and stateful codecs override these.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name} codec is stateless, got state keys {sorted(state)}")
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """The error-feedback residual (None for a codec without error feedback)."""
+        return None
+
+    def use_torch(self, device: torch.device) -> bool:
+        """Whether to run torch-op kernels (non-CPU device, or ``backend='torch'``)."""
+        return self.backend == "torch" or (self.backend == "auto" and device.type != "cpu")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec_text!r}, numel={self.numel}, " \
+               f"payload_bytes={self.payload_bytes})"
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _as_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.name}.compress expects a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{self.name}.compress expects a floating tensor, got {x.dtype}")
+        if x.numel() != self.numel:
+            raise ValueError(f"{self.name}.compress: input has {x.numel()} elements, codec was "
+                             f"built for numel={self.numel}")
+        flat = x.reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.to(torch.float32)
+        return flat.contiguous()
+
+    def _out_payload(self, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        if out is None:
+            return torch.empty(self.payload_bytes, dtype=torch.uint8, device=device)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != self.payload_bytes \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {self.payload_bytes} "
+                             f"bytes, got dtype={out.dtype} shape={tuple(out.shape)}")
+        return out
+
+    def _check_out(self, out: torch.Tensor, what: str) -> None:
+        if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != self.numel \
+                or not out.is_contiguous():
+            raise ValueError(f"{what} must be a contiguous 1-D float32 tensor of {self.numel} "
+                             f"elements, got dtype={out.dtype} shape={tuple(out.shape)}")
+
+    def _check_finite(self, flat: torch.Tensor, key: int) -> None:
+        if flat.device.type == "cpu":
+            from .kernels.common import all_finite
+            ok = all_finite(flat.numpy())
+        else:
+            ok = bool(torch.isfinite(flat).all())
+        if not ok:
+            raise ValueError(f"{self.name}.compress key {key}: input has non-finite values "
+                             f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
+
+    def _scratch(self, name: str, device: torch.device, numel: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A buffer reused across calls (allocated once per name/device/size/dtype)."""
+        cache = self.__dict__.setdefault("_scratch_cache", {})
+        n = self.numel if numel is None else numel
+        k = (name, str(device), n, dtype)
+        buf = cache.get(k)
+        if buf is None:
+            buf = cache[k] = torch.empty(n, dtype=dtype, device=device)
+        return buf

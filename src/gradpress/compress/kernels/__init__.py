@@ -1,0 +1,1 @@
+"""numba-compiled CPU kernels (``cache=True``); torch-op twins live beside each codec."""
