@@ -1,0 +1,356 @@
+"""Tests of gradpress.optim: LANS/CLAN, LAMB and OneBitAdam against independent references."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from gradpress.optim import CLAN_REFERENCE_LR, LAMB, LANS, OneBitAdam, _common, clan
+
+SHAPES = [(5, 3), (7,), (4, 2, 2), (3,)]
+
+
+# -- fixtures: parameters and gradient sequences ------------------------------------------------
+
+def make_params(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.Tensor]:
+    """Several tensors; the last one starts at zero (weight norm 0 -> trust ratio 1)."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+    ps[-1].zero_()
+    return [p.to(dtype).requires_grad_() for p in ps]
+
+
+def make_grads(steps: int = 6, seed: int = 1) -> list[list[torch.Tensor | None]]:
+    """Per step, one gradient per tensor; includes an all-zero gradient and a missing one."""
+    g = torch.Generator().manual_seed(seed)
+    seq = []
+    for k in range(steps):
+        grads: list[torch.Tensor | None] = [
+            torch.randn(s, generator=g, dtype=torch.float64) * (0.1 + i)
+            for i, s in enumerate(SHAPES)
+        ]
+        if k == 1:
+            grads[0] = torch.zeros(SHAPES[0], dtype=torch.float64)   # gradient norm 0
+        if k == 2:
+            grads[1] = None                                          # no gradient this step
+        seq.append(grads)
+    return seq
+
+
+def run(opt: torch.optim.Optimizer, params: list[torch.Tensor],
+        seq: list[list[torch.Tensor | None]]) -> None:
+    for grads in seq:
+        for p, gr in zip(params, grads):
+            p.grad = None if gr is None else gr.to(p.dtype).clone()
+        opt.step()
+
+
+# -- independent float64 references -----------------------------------------------------------
+
+def _ratio(x: torch.Tensor, u: torch.Tensor) -> float:
+    xn, un = float(x.norm()), float(u.norm())
+    return xn / un if xn > 0 and un > 0 else 1.0
+
+
+def ref_layerwise(params, seq, lr, betas, eps, wds, kind, normalize=False):
+    """LANS (kind="lans") or LAMB (kind="lamb") written per tensor, straight from the papers."""
+    b1, b2 = betas
+    xs = [p.detach().double().clone() for p in params]
+    ms = [torch.zeros_like(x) for x in xs]
+    vs = [torch.zeros_like(x) for x in xs]
+    ts = [0] * len(xs)
+    for grads in seq:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            x, wd = xs[i], wds[i]
+            ts[i] += 1
+            t = ts[i]
+            if normalize and float(g.norm()) > 0:
+                g = g / g.norm()
+            ms[i] = b1 * ms[i] + (1 - b1) * g
+            vs[i] = b2 * vs[i] + (1 - b2) * g * g
+            mh, vh = ms[i] / (1 - b1 ** t), vs[i] / (1 - b2 ** t)
+            r = mh / (vh.sqrt() + eps) + wd * x
+            if kind == "lamb":
+                xs[i] = x - lr * _ratio(x, r) * r
+            else:
+                c = g / (vh.sqrt() + eps) + wd * x
+                xs[i] = x - lr * b1 * _ratio(x, r) * r - lr * (1 - b1) * _ratio(x, c) * c
+    return xs
+
+
+def assert_close_list(got, want, rtol, atol):
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a.detach().double(), b, rtol=rtol, atol=atol,
+                                   msg=lambda m, i=i: f"tensor {i}: {m}")
+
+
+# -- LANS / LAMB --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_lans_matches_reference(dtype, tol, normalize, wd):
+    params, seq = make_params(dtype), make_grads()
+    opt = LANS(params, lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=wd,
+               normalize_grad=normalize)
+    run(opt, params, seq)
+    want = ref_layerwise(params=make_params(), seq=seq, lr=0.02, betas=(0.8, 0.95), eps=1e-6,
+                         wds=[wd] * len(SHAPES), kind="lans", normalize=normalize)
+    assert_close_list(params, want, rtol=tol, atol=tol)
+    assert [opt.state[p]["step"] for p in params] == [6, 5, 6, 6]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_lamb_matches_reference(dtype, tol, wd):
+    params, seq = make_params(dtype), make_grads()
+    opt = LAMB(params, lr=0.02, betas=(0.85, 0.99), eps=1e-6, weight_decay=wd)
+    run(opt, params, seq)
+    want = ref_layerwise(make_params(), seq, 0.02, (0.85, 0.99), 1e-6, [wd] * len(SHAPES), "lamb")
+    assert_close_list(params, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cls", [LANS, LAMB])
+def test_small_buckets_and_mixed_dtypes_match_reference(cls, monkeypatch):
+    monkeypatch.setattr(_common, "MAX_BUCKET_NUMEL", 10)     # several buckets per dtype
+    params, seq = make_params(), make_grads()
+    params[1] = params[1].detach().float().requires_grad_()   # a float32 tensor among float64
+    opt = cls(params, lr=0.02, weight_decay=0.01)
+    run(opt, params, seq)
+    want = ref_layerwise(make_params(), seq, 0.02, (0.9, 0.999), 1e-6, [0.01] * 4,
+                         cls.__name__.lower(), normalize=(cls is LANS))
+    assert_close_list(params, want, rtol=2e-5, atol=2e-5)
+    assert_close_list(params[:1] + params[2:], want[:1] + want[2:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [LANS, LAMB])
+def test_weight_decay_exclusion_by_param_group(cls):
+    params, seq = make_params(), make_grads()
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+    opt = cls(groups, lr=0.01, weight_decay=0.1)
+    run(opt, params, seq)
+    kind = cls.__name__.lower()
+    want = ref_layerwise(make_params(), seq, 0.01, (0.9, 0.999), 1e-6, [0.1, 0.1, 0.0, 0.0], kind,
+                         normalize=(cls is LANS))
+    assert_close_list(params, want, rtol=1e-12, atol=1e-12)
+
+
+def test_clan_is_lans_without_normalisation():
+    params, seq = make_params(), make_grads()
+    opt = clan(params, lr=0.01, weight_decay=0.01)
+    assert isinstance(opt, LANS) and opt.defaults["normalize_grad"] is False
+    run(opt, params, seq)
+    want = ref_layerwise(make_params(), seq, 0.01, (0.9, 0.999), 1e-6, [0.01] * 4, "lans")
+    assert_close_list(params, want, rtol=1e-12, atol=1e-12)
+    assert CLAN_REFERENCE_LR == {"lans": 0.00125, "onebit": 0.0014865, "topk": 0.001051}
+
+
+def test_lans_normalisation_makes_step_scale_invariant():
+    a, b = make_params(), make_params()
+    seq = make_grads()
+    run(LANS(a, lr=0.01), a, seq)
+    run(LANS(b, lr=0.01), b, [[None if g is None else 1000.0 * g for g in gs] for gs in seq])
+    assert_close_list(a, [x.detach() for x in b], rtol=1e-9, atol=1e-12)
+
+
+def test_trust_ratio_clamp():
+    x = torch.full((4,), 10.0, dtype=torch.float64, requires_grad=True)
+    opt = LAMB([x], lr=0.1, weight_decay=0.0, max_trust=2.0)
+    x.grad = torch.ones(4, dtype=torch.float64)
+    opt.step()
+    # u = 1/(1+eps) per element, ||u|| ~ 2, ||x|| = 20: ratio 10 clamped to 2 -> step 0.2*u.
+    torch.testing.assert_close(x.detach(), torch.full((4,), 10.0 - 0.2 / (1 + 1e-6),
+                                                      dtype=torch.float64))
+
+
+def test_p_grad_untouched_and_closure_returns_loss():
+    params = make_params()
+    grads = [torch.randn(s, dtype=torch.float64) for s in SHAPES]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    loss = LANS(params).step(closure=lambda: torch.tensor(3.0))
+    assert float(loss) == 3.0
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_layers_step_finitely(dtype):
+    p = torch.nn.Parameter(torch.full((1000,), 3000.0, dtype=dtype))
+    p.grad = torch.full((1000,), 3000.0, dtype=dtype)     # norms ~95k overflow float16
+    for cls in (LANS, LAMB):
+        cls([p], lr=0.01).step()
+    assert torch.isfinite(p.detach()).all() and float(p.detach()[0]) < 3000.0
+
+
+def test_sparse_gradient_rejected():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(4).to_sparse()
+    with pytest.raises(TypeError, match="sparse"):
+        LANS([p]).step()
+
+
+# -- OneBitAdam ----------------------------------------------------------------------------------
+
+def _pair(wd: float, freeze: int):
+    """Two copies of the same parameters; OneBitAdam on one, torch Adam/AdamW on the other."""
+    a, b = make_params(torch.float32), make_params(torch.float32)
+    ours = OneBitAdam(a, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=wd, freeze_step=freeze)
+    ref_cls = torch.optim.AdamW if wd else torch.optim.Adam
+    ref = ref_cls(b, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=wd, foreach=False)
+    return a, b, ours, ref
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.02])
+def test_onebit_adam_warmup_equals_torch_adam(wd):
+    a, b, ours, ref = _pair(wd, freeze=6)
+    seq = make_grads()
+    run(ours, a, seq[:5])
+    run(ref, b, seq[:5])
+    assert not ours.compression_active          # step 6 is still warm-up
+    run(ours, a, seq[5:])
+    run(ref, b, seq[5:])
+    assert_close_list(a, [x.detach().double() for x in b], rtol=1e-6, atol=1e-7)
+    assert ours.compression_active              # step 7 would communicate momentum
+
+
+def test_onebit_adam_compression_stage():
+    params = make_params()
+    calls = []
+
+    def communicate(key, m):
+        calls.append((key, m.clone()))
+        return 0.5 * m          # "average" with a worker whose momentum is 0
+
+    opt = OneBitAdam(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, freeze_step=2,
+                     communicate=communicate)
+    seq = make_grads(steps=4)
+    run(opt, params, seq[:2])
+    assert opt.compression_active and not calls
+    v_frozen = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    m_prev = [opt.state[p]["exp_avg"].clone() for p in params]
+    x_prev = [p.detach().clone() for p in params]
+    for p, g in zip(params, seq[2]):
+        p.grad = None if g is None else g.clone()
+    opt.step()
+    # communicate got the local momentum of every tensor with a gradient, keyed by position.
+    assert [k for k, _ in calls] == ["0", "2", "3"]
+    for (_key, m_sent), i in zip(calls, [0, 2, 3]):
+        torch.testing.assert_close(m_sent, 0.9 * m_prev[i] + 0.1 * seq[2][i])
+    for i in (0, 2, 3):
+        p, st = params[i], opt.state[params[i]]
+        assert torch.equal(st["exp_avg_sq"], v_frozen[i])                 # variance frozen
+        torch.testing.assert_close(st["exp_avg"], 0.5 * (0.9 * m_prev[i] + 0.1 * seq[2][i]))
+        mh = st["exp_avg"] / (1 - 0.9 ** 3)
+        vh = v_frozen[i] / (1 - 0.99 ** 2)                                # frozen correction
+        want = x_prev[i] - 0.01 * (mh / (vh.sqrt() + 1e-8) + 0.01 * x_prev[i])
+        torch.testing.assert_close(p.detach(), want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(params[1].detach(), x_prev[1])                     # no gradient: no step
+
+
+def test_onebit_adam_handles_and_deepspeed_mode():
+    params = make_params()
+
+    class Handle:
+        def __init__(self, t):
+            self.t = t
+
+        def wait(self):
+            return self.t.clone()
+
+    opt = OneBitAdam(params, lr=0.01, freeze_step=1, bias_correction=False,
+                     communicate=lambda key, m: Handle(m))
+    seq = make_grads(steps=3)
+    run(opt, params, seq)
+    # bias_correction=False, identity communication: DeepSpeed's update, v frozen after step 1.
+    xs = [p.detach().double().clone() for p in make_params()]
+    for i in range(len(xs)):
+        m = torch.zeros_like(xs[i])
+        v = None
+        for grads in seq:
+            g = grads[i]
+            if g is None:
+                continue
+            m = 0.9 * m + 0.1 * g
+            v = 0.001 * g * g if v is None else v
+            xs[i] = xs[i] - 0.01 * (m / (v.sqrt() + 1e-8))
+    assert_close_list(params, xs, rtol=1e-12, atol=1e-12)
+
+
+def test_onebit_adam_communicate_checks():
+    with pytest.raises(TypeError, match="communicate"):
+        OneBitAdam(make_params(), communicate=3)
+    params = make_params()
+    opt = OneBitAdam(params, freeze_step=1, communicate=lambda key, m: m[:1])
+    run(opt, params, make_grads(steps=1))
+    with pytest.raises(TypeError, match="shape"):
+        run(opt, params, make_grads(steps=1))
+
+
+# -- state_dict and validation -------------------------------------------------------------------
+
+@pytest.mark.parametrize("factory", [
+    lambda ps: LANS(ps, lr=0.01, weight_decay=0.01),
+    lambda ps: clan(ps, lr=0.01),
+    lambda ps: LAMB(ps, lr=0.01),
+    lambda ps: OneBitAdam(ps, lr=0.01, weight_decay=0.01, freeze_step=3),
+], ids=["lans", "clan", "lamb", "onebit_adam"])
+def test_state_dict_round_trip_continues_identically(factory):
+    seq = make_grads(steps=6)
+    a = make_params(torch.float32)
+    opt_a = factory(a)
+    run(opt_a, a, seq[:3])
+    saved = copy.deepcopy(opt_a.state_dict())
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt_b = factory(b)
+    opt_b.load_state_dict(saved)
+    run(opt_a, a, seq[3:])
+    run(opt_b, b, seq[3:])
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    if isinstance(opt_b, OneBitAdam):
+        assert opt_b.compression_active
+
+
+BAD = [
+    ({"lr": -0.1}, "lr"),
+    ({"lr": math.nan}, "lr"),
+    ({"betas": (1.0, 0.999)}, r"betas\[0\]"),
+    ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
+    ({"betas": (0.9,)}, "betas"),
+    ({"eps": 0.0}, "eps"),
+    ({"eps": -1e-8}, "eps"),
+    ({"weight_decay": -0.01}, "weight_decay"),
+]
+
+
+@pytest.mark.parametrize("cls", [LANS, LAMB, OneBitAdam, clan])
+@pytest.mark.parametrize("kwargs,name", BAD)
+def test_invalid_hyperparameters_raise(cls, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        cls(make_params(), **kwargs)
+
+
+@pytest.mark.parametrize("cls,kwargs,name", [
+    (LANS, {"min_trust": -1.0}, "min_trust"),
+    (LAMB, {"min_trust": 2.0, "max_trust": 1.0}, "min_trust"),
+    (LANS, {"normalize_grad": "yes"}, "normalize_grad"),
+    (OneBitAdam, {"freeze_step": 0}, "freeze_step"),
+    (OneBitAdam, {"freeze_step": 2.5}, "freeze_step"),
+])
+def test_invalid_specific_hyperparameters_raise(cls, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        cls(make_params(), **kwargs)
+
+
+def test_bad_param_group_is_rejected_and_not_added():
+    params = make_params()
+    opt = LANS(params[:2])
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": params[2:], "lr": -1.0})
+    assert len(opt.param_groups) == 1
