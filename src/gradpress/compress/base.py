@@ -6,8 +6,13 @@ advance) and back. Payloads start with the header of :mod:`gradpress.compress.he
 
 Subclasses implement ``_body_bytes()``, ``_encode(x, body, key, step)`` and
 ``_decode(body, out, header)``; optionally ``_decode_add(body, acc, alpha, header)`` for a
-decode-accumulate without a dense temporary. ``x``/``body``/``out`` are torch tensors on one
-device; CPU paths call numba kernels on ``.numpy()`` views, other devices use torch ops.
+decode-accumulate without a dense temporary, and ``_encode_ef(p, body, residual, key, step) ->
+bool``, a fused error-feedback pass used by :class:`~gradpress.compress.ef.ErrorFeedback`: encode
+``p`` into ``body`` and write ``residual = p - decode(body)`` (``p`` and ``residual`` are distinct
+buffers); return False, having written nothing, to fall back to ``_encode`` + ``_decode_add``. A
+codec with ``checks_finite`` must reject non-finite ``p`` before writing ``residual``.
+``x``/``body``/``out`` are torch tensors on one device; CPU paths call numba kernels on
+``.numpy()`` views, other devices use torch ops.
 """
 
 from __future__ import annotations
@@ -102,6 +107,8 @@ class Codec(abc.ABC):
             if self.nan_policy == "raise" and not self.checks_finite:
                 self._check_finite(flat, key)
             self._encode(flat, payload[HEADER_BYTES:], int(key), int(step))
+        else:
+            payload[HEADER_BYTES:].zero_()  # e.g. onebit's scale: deterministic bytes at numel=0
         return payload
 
     def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,

@@ -1,14 +1,30 @@
-"""Dense codecs: ``none`` (fp32 values, lossless) and the 16-bit casts ``fp16`` and ``bf16``."""
+"""Dense codecs: ``none`` (fp32 values, lossless) and the 16-bit casts ``fp16`` and ``bf16``.
+
+The 16-bit codecs store each element rounded to nearest (ties to even), exactly like torch's
+``.to(torch.float16)`` / ``.to(torch.bfloat16)``: fp16 keeps 11 significant bits but overflows
+to inf above 65504 and flushes below 2**-24 (use it for gradients of moderate range, as mixed
+precision does); bf16 keeps float32's range with 8 significant bits. NaN is stored as the
+canonical quiet NaN with the input's sign (only reachable with ``nan_policy="allow"``).
+
+CPU encoding runs one fused numba pass (round + non-finite check, :mod:`.kernels.cast`); decoding
+uses torch's vectorized conversion (already at memory bandwidth); decode-accumulate converts on
+the fly in numba. Other devices (or ``backend="torch"``) use torch ops throughout and produce the
+same bytes.
+"""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import numpy as np
 import torch
 
 from .base import Codec
 from .header import Header
+from .kernels import cast as K
 from .registry import register
 
-__all__ = ["NoneCodec"]
+__all__ = ["NoneCodec", "Fp16Codec", "Bf16Codec"]
 
 
 @register
@@ -29,3 +45,91 @@ class NoneCodec(Codec):
 
     def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
         acc.add_(body.view(torch.float32), alpha=alpha)
+
+
+class _Cast16Codec(Codec):
+    """Shared machinery of ``fp16`` and ``bf16``: 2 bytes per element, little endian."""
+
+    dtype: ClassVar[torch.dtype]
+    #: canonical NaN bit patterns (as int16) for a positive and a negative NaN input
+    nan_bits: ClassVar[tuple[int, int]]
+    checks_finite = True
+
+    def _body_bytes(self) -> int:
+        return 2 * self.numel
+
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+        if self.use_torch(x.device):
+            self._encode_torch(x, body, key)
+            return
+        _require_cpu(self, x)
+        if not self._encode_numba(x.numpy(), body.numpy().view(np.uint16)) \
+                and self.nan_policy == "raise":
+            self._check_finite(x, key)  # raises the standard non-finite error
+
+    def _encode_numba(self, x: np.ndarray, h: np.ndarray) -> bool:
+        raise NotImplementedError
+
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int) -> None:
+        if self.nan_policy == "raise":
+            self._check_finite(x, key)
+        h = body.view(self.dtype)
+        h.copy_(x)
+        if self.nan_policy == "allow":
+            # canonical NaN, like the numba kernel (torch keeps payload bits / may set the sign)
+            pos, neg = self.nan_bits
+            canon = torch.where(torch.signbit(x), neg, pos).to(torch.int16)
+            bits = body.view(torch.int16)
+            bits.copy_(torch.where(torch.isnan(x), canon, bits))
+
+    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+        out.copy_(body.view(self.dtype))
+
+    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
+        if self.use_torch(acc.device):
+            acc.add_(body.view(self.dtype), alpha=alpha)  # dynamic cast: no temporary on GPUs
+            return
+        _require_cpu(self, acc)
+        self._decode_add_numba(body.numpy().view(np.uint16), acc.numpy(), np.float32(alpha))
+
+    def _decode_add_numba(self, h: np.ndarray, acc: np.ndarray, alpha: np.float32) -> None:
+        raise NotImplementedError
+
+
+@register
+class Fp16Codec(_Cast16Codec):
+    """IEEE half precision values (16 bits/element), rounded to nearest even."""
+
+    name = "fp16"
+    codec_id = 1
+    dtype = torch.float16
+    nan_bits = (0x7E00, 0xFE00 - 0x10000)
+
+    def _encode_numba(self, x: np.ndarray, h: np.ndarray) -> bool:
+        return K.encode_fp16(x, h)
+
+    def _decode_add_numba(self, h: np.ndarray, acc: np.ndarray, alpha: np.float32) -> None:
+        K.decode_add_fp16(h, acc, alpha)
+
+
+@register
+class Bf16Codec(_Cast16Codec):
+    """bfloat16 values (16 bits/element: float32's exponent, 8-bit significand), nearest even."""
+
+    name = "bf16"
+    codec_id = 2
+    dtype = torch.bfloat16
+    nan_bits = (0x7FC0, 0xFFC0 - 0x10000)
+
+    def _encode_numba(self, x: np.ndarray, h: np.ndarray) -> bool:
+        return K.encode_bf16(x, h)
+
+    def _decode_add_numba(self, h: np.ndarray, acc: np.ndarray, alpha: np.float32) -> None:
+        K.decode_add_bf16(h, acc, alpha)
+
+
+def _require_cpu(codec: Codec, t: torch.Tensor) -> None:
+    """The numba backend runs on CPU tensors only."""
+    if t.device.type != "cpu":
+        raise ValueError(f"{codec.name} codec with backend={codec.backend!r} needs CPU tensors, "
+                         f"got a tensor on {t.device}; use backend='auto' or 'torch'")

@@ -1,0 +1,106 @@
+"""``onebit``: scaled sign compression, about 1 bit per element.
+
+Algorithm (1-bit SGD, Seide et al., Interspeech 2014, "1-Bit Stochastic Gradient Descent and its
+Application to Data-Parallel Distributed Training of Speech DNNs"; the scale is that of EF-SignSGD,
+Karimireddy et al., ICML 2019, "Error Feedback Fixes SignSGD and other Gradient Compression
+Schemes", alg. 1: ``C(x) = (||x||_1 / d) * sign(x)``; BytePS's ``onebit`` with ``scaling``):
+
+1. One bit per element: 1 when the float's sign bit is set (so -0.0 and negative NaN count as
+   negative, +0.0 as positive), packed 8 per byte, element ``i`` in byte ``i // 8`` at bit
+   ``i % 8`` (LSB first).
+2. One float32 ``scale``: the mean of ``|x|`` (``scaling=1``, the default), summed in float64 in
+   the fixed blocked order of :mod:`.kernels.onebit`, or ``1.0`` (``scaling=0``).
+3. Decode: ``-scale`` where the bit is 1, ``+scale`` elsewhere.
+
+Payload body: ``ceil(numel / 8)`` bytes of bits, then the little-endian float32 scale. The CPU
+path is one fused numba pass (bits + float64 |x| sum + non-finite check); torch ops (for GPU
+tensors or ``backend="torch"``) produce identical bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .base import Codec
+from .cast import _require_cpu
+from .header import Header
+from .kernels import onebit as K
+from .registry import register
+from .spec import Param, parse_bool
+
+__all__ = ["OneBitCodec"]
+
+_CANONICAL_NAN = float("nan")  # float32 0x7FC00000
+
+
+@register
+class OneBitCodec(Codec):
+    """Signs packed 8 per byte plus one float32 scale (mean |x|, or 1.0 with ``scaling=0``)."""
+
+    name = "onebit"
+    codec_id = 3
+    PARAMS = (Param("scaling", True, parse_bool,
+                    "scale the signs by mean |x| (1, default) or send plain signs (0)"),)
+    checks_finite = True
+
+    def _body_bytes(self) -> int:
+        return (self.numel + 7) // 8 + 4
+
+    # -- encode -----------------------------------------------------------------------------------
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+        if self.use_torch(x.device):
+            self._encode_torch(x, body, key)
+            return
+        _require_cpu(self, x)
+        total = K.encode(x.numpy(), body.numpy(), bool(self.params["scaling"]))
+        if self.nan_policy == "raise" and not math.isfinite(total):
+            self._check_finite(x, key)  # raises the standard non-finite error
+
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int) -> None:
+        nbits = (self.numel + 7) // 8
+        scaling = bool(self.params["scaling"])
+        # 2. (first, so a rejected input writes nothing) float64 |x| sum in the kernel's order
+        if scaling or self.nan_policy == "raise":
+            total = K.abs_sum_torch(x)
+            if self.nan_policy == "raise" and not bool(torch.isfinite(total)):
+                self._check_finite(x, key)
+        if scaling:
+            scale = (total / self.numel).to(torch.float32)
+            scale = torch.where(torch.isnan(scale), _CANONICAL_NAN, scale)
+        else:
+            scale = torch.ones((), dtype=torch.float32, device=x.device)
+        # 1. sign bits, 8 per byte, LSB first
+        signs = torch.zeros(nbits * 8, dtype=torch.uint8, device=x.device)
+        signs[:self.numel] = torch.signbit(x)
+        weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=x.device)
+        body[:nbits].copy_((signs.view(nbits, 8) * weights).sum(dim=1, dtype=torch.int32))
+        body[nbits:nbits + 4].copy_(scale.reshape(1).view(torch.uint8))
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+        if self.use_torch(out.device):
+            scale = K.read_scale(body, self.numel)
+            out.copy_(torch.where(self._negative_torch(body), -scale, scale))
+            return
+        _require_cpu(self, out)
+        K.decode(body.numpy(), out.numpy())
+
+    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
+        if self.use_torch(acc.device):
+            # v = float32(alpha * scale), one rounding, as in the numba kernel
+            v = K.read_scale(body, self.numel) * torch.tensor(alpha, dtype=torch.float32,
+                                                              device=acc.device)
+            acc.add_(torch.where(self._negative_torch(body), -v, v))
+            return
+        _require_cpu(self, acc)
+        K.decode_add(body.numpy(), acc.numpy(), np.float32(alpha))
+
+    def _negative_torch(self, body: torch.Tensor) -> torch.Tensor:
+        """Bool tensor of numel: the unpacked sign bits."""
+        nbits = (self.numel + 7) // 8
+        shifts = torch.arange(8, dtype=torch.uint8, device=body.device)
+        bits = (body[:nbits].unsqueeze(1) >> shifts) & 1
+        return bits.view(-1)[:self.numel].bool()

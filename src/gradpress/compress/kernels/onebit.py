@@ -1,0 +1,197 @@
+"""numba kernels of the ``onebit`` codec (scaled sign compression).
+
+Wire format of the body (after the header): ``ceil(numel / 8)`` bytes of sign bits, element ``i``
+in byte ``i // 8`` at bit ``i % 8`` (LSB first, like ``np.packbits(..., bitorder="little")``), a bit
+of 1 meaning the float's sign bit is set (negative, including -0.0), unused high bits of the last
+byte 0; then one little-endian float32 ``scale`` (unaligned, right after the bits).
+
+Encoding, one pass over the input (:func:`encode`):
+
+1. Rows of ``LANES`` elements: add ``float64(|x_i|)`` to lane accumulator ``acc[i % LANES]``
+   (a lane-wise vector add, so LLVM vectorizes it without reassociating anything), note each
+   sign bit as a byte, and pack the row's sign bytes 8 per byte by a multiply-shift while the
+   row is in L1 (little-endian hosts).
+2. Every ``ROWS`` rows (a block of ``BLOCK`` elements) the lanes are folded by a halving tree
+   (``acc[j] += acc[j + w]`` for ``w = LANES/2, ..., 1``) into one block sum.
+3. The block sums, zero-padded to a power of two, are folded by the same halving tree.
+4. ``scale = float32(total / numel)`` (``scaling``) or ``1.0``; a NaN scale is stored as the
+   canonical quiet NaN ``0x7FC00000``.
+
+The summation order is fixed by (1)-(3) alone, so :func:`abs_sum_torch` reproduces ``total`` bit
+for bit with torch ops on any device. Since a float64 sum of float32 magnitudes cannot overflow,
+``total`` is finite exactly when every input is: the non-finite check costs nothing extra.
+
+Decoding writes ``scale`` with the sign bit of each element's bit (``-scale`` for 1).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+__all__ = ["LANES", "ROWS", "BLOCK", "encode", "decode", "decode_add", "abs_sum_torch",
+           "read_scale"]
+
+LANES = 256
+ROWS = 16
+BLOCK = LANES * ROWS
+_U = np.uint32
+_CANONICAL_NAN = 0x7FC00000
+# Reading 8 sign bytes (0/1) as one little-endian uint64 t = sum_j s_j 2**(8j), the product
+# t * _GATHER holds sum_j s_j 2**(56+j) in its top byte: the partial products are distinct powers
+# of two, so nothing carries. A vectorizable multiply-shift instead of 8 shifts and ORs.
+_GATHER = np.uint64(0x0102040810204080)
+
+
+@numba.njit(cache=True, nogil=True)
+def _fold(acc: np.ndarray, w: int) -> float:
+    """Halving tree over acc[:w] (w a power of two): acc[j] += acc[j + w/2], ... -> acc[0]."""
+    while w > 1:
+        w //= 2
+        for j in range(w):
+            acc[j] += acc[j + w]
+    return acc[0]
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_scale(body: np.ndarray, at: int, scale: np.float32) -> None:
+    s = np.float32(scale).view(np.uint32)
+    if s & _U(0x7FFFFFFF) > _U(0x7F800000):
+        s = _U(_CANONICAL_NAN)
+    for k in range(4):
+        body[at + k] = np.uint8(_U(s >> _U(8 * k)) & _U(0xFF))
+
+
+@numba.njit(cache=True, nogil=True)
+def _get_scale_bits(body: np.ndarray, at: int) -> np.uint32:
+    s = _U(0)
+    for k in range(4):
+        s = _U(s | _U(_U(body[at + k]) << _U(8 * k)))
+    return s
+
+
+@numba.njit(cache=True, nogil=True)
+def _tail_block(x: np.ndarray, u: np.ndarray, body: np.ndarray, first: int, acc: np.ndarray,
+                signs: np.ndarray, s64: np.ndarray) -> float:
+    """Steps 1-2 for the last, incomplete block ``x[first:]`` (missing elements: +0.0, bit 0)."""
+    n = x.shape[0]
+    acc[:] = 0.0
+    for base in range(first, n, LANES):
+        c = min(LANES, n - base)
+        signs[:] = 0
+        for j in range(c):
+            acc[j] += np.float64(abs(x[base + j]))
+            signs[j] = np.uint8(_U(u[base + j] >> _U(31)))
+        for k in range((c + 7) // 8):
+            body[base // 8 + k] = np.uint8((s64[k] * _GATHER) >> np.uint64(56))
+    return _fold(acc, LANES)
+
+
+@numba.njit(cache=True, nogil=True)
+def encode(x: np.ndarray, body: np.ndarray, scaling: bool) -> float:
+    """Pack the signs of float32 ``x`` and the scale into ``body``; return the float64 |x| sum.
+
+    The return value is non-finite exactly when ``x`` holds a NaN or an infinity.
+    """
+    n = x.shape[0]
+    u = x.view(np.uint32)
+    nblk = (n + BLOCK - 1) // BLOCK
+    p = 1
+    while p < nblk:
+        p *= 2
+    sums = np.zeros(p)
+    acc = np.empty(LANES)
+    signs = np.empty(LANES, np.uint8)  # one sign byte (0/1) per element of the row
+    s64 = signs.view(np.uint64)
+    nfull = n // BLOCK
+    for b in range(nfull):
+        acc[:] = 0.0
+        for row in range(b * ROWS, (b + 1) * ROWS):
+            base = row * LANES
+            # 1. lane-wise float64 accumulation and the row's sign bytes (vectorized) ...
+            for j in range(LANES):
+                acc[j] += np.float64(abs(x[base + j]))
+                signs[j] = np.uint8(_U(u[base + j] >> _U(31)))
+            # ... gathered 8 per byte by a multiply-shift (see _GATHER)
+            for k in range(LANES // 8):
+                body[row * (LANES // 8) + k] = np.uint8((s64[k] * _GATHER) >> np.uint64(56))
+        # 2. fold the lanes into the block sum
+        sums[b] = _fold(acc, LANES)
+    if nfull < nblk:
+        sums[nfull] = _tail_block(x, u, body, nfull * BLOCK, acc, signs, s64)
+    # 3. fold the block sums (zero-padded to p); 4. the scale after the bits
+    total = _fold(sums, p)
+    scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
+    _put_scale(body, (n + 7) // 8, scale)
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def decode(body: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = -scale if bit i else +scale (float32 ``out`` of numel elements)."""
+    n = out.shape[0]
+    o = out.view(np.uint32)
+    nbits = (n + 7) // 8
+    s = _get_scale_bits(body, nbits)
+    whole = n // 8
+    for k in range(whole):
+        byte = _U(body[k])
+        for j in range(8):
+            o[8 * k + j] = _U(s ^ _U(_U(_U(byte >> _U(j)) & _U(1)) << _U(31)))
+    if whole < nbits:
+        byte = _U(body[whole])
+        for j in range(n - 8 * whole):
+            o[8 * whole + j] = _U(s ^ _U(_U(_U(byte >> _U(j)) & _U(1)) << _U(31)))
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_add(body: np.ndarray, acc: np.ndarray, alpha: np.float32) -> None:
+    """acc[i] += -v if bit i else +v, with v = float32(alpha * scale) (one rounding; any sign)."""
+    n = acc.shape[0]
+    nbits = (n + 7) // 8
+    v = np.float32(alpha * np.uint32(_get_scale_bits(body, nbits)).view(np.float32))
+    vb = np.float32(v).view(np.uint32)
+    whole = n // 8
+    for k in range(whole):
+        byte = _U(body[k])
+        for j in range(8):
+            sv = _U(vb ^ _U(_U(_U(byte >> _U(j)) & _U(1)) << _U(31)))
+            acc[8 * k + j] += np.uint32(sv).view(np.float32)
+    if whole < nbits:
+        byte = _U(body[whole])
+        for j in range(n - 8 * whole):
+            sv = _U(vb ^ _U(_U(_U(byte >> _U(j)) & _U(1)) << _U(31)))
+            acc[8 * whole + j] += np.uint32(sv).view(np.float32)
+
+
+def read_scale(body: torch.Tensor, numel: int) -> torch.Tensor:
+    """The float32 scale stored after the sign bits, as a 0-d tensor on ``body``'s device."""
+    nbits = (numel + 7) // 8
+    return body[nbits:nbits + 4].clone().view(torch.float32)[0]
+
+
+def abs_sum_torch(x: torch.Tensor) -> torch.Tensor:
+    """float64 sum of |x| in exactly the order of :func:`encode` (a 0-d tensor, same device)."""
+    n = x.numel()
+    nblk = max(1, -(-n // BLOCK))
+    a = torch.zeros(nblk * BLOCK, dtype=torch.float64, device=x.device)
+    a[:n] = x.abs()
+    a = a.view(nblk, ROWS, LANES)
+    # 1. lane accumulators, rows added in order
+    acc = a[:, 0, :].clone()
+    for r in range(1, ROWS):
+        acc += a[:, r, :]
+    # 2. halving tree over the lanes of each block
+    w = LANES
+    while w > 1:
+        w //= 2
+        acc = acc[:, :w] + acc[:, w:2 * w]
+    # 3. halving tree over the block sums, zero-padded to a power of two
+    p = 1 << (nblk - 1).bit_length()
+    sums = torch.zeros(p, dtype=torch.float64, device=x.device)
+    sums[:nblk] = acc[:, 0]
+    while p > 1:
+        p //= 2
+        sums = sums[:p] + sums[p:2 * p]
+    return sums[0]
