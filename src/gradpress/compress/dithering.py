@@ -1,0 +1,284 @@
+"""The ``dithering`` codec: unbiased stochastic quantization to ``s`` levels (codec id 6).
+
+QSGD (Alistarh et al., NeurIPS 2017, sec. 3.1) and natural dithering (Horvath et al., 2019,
+"Natural Compression for Distributed Deep Learning"), as in BytePS's ``dithering`` compressor.
+
+Parameters (spec ``dithering:s=7,partition=linear,normalize=max``):
+
+* ``s`` (1..127, default 7): number of non-zero levels. ``s=1`` is sign-only ternary {-1, 0, 1}.
+* ``partition``: ``linear`` (default): levels ``k / s`` for ``k = 0..s``; ``natural``: levels
+  0 and ``2**(k - s)`` for ``k = 1..s``, i.e. 0, 2**-(s-1), ..., 1/4, 1/2, 1 (BytePS's natural
+  partition; at ``s=1`` both are {0, 1}).
+* ``normalize``: ``max`` (default): ``norm = max|x|``; ``l2``: ``norm = ||x||_2``.
+
+Encoding (steps numbered as in :mod:`gradpress.compress.kernels.dithering`):
+
+1. ``norm`` is computed (squares summed in float64, in ``LANES`` interleaved partial sums added
+   in a fixed order), stored as float32 and used as such below (an l2 norm above the float32
+   range is stored as the largest float32, which still bounds max|x|).
+2. Each element's ``r = |x| / norm`` lies in [0, 1]; with ``lo <= r <= hi`` the adjacent levels,
+   it becomes ``hi`` with probability ``(r - lo) / (hi - lo)``, else ``lo``: ``E[level] = r``.
+3. Decoding gives ``sign * level * norm`` (computed in float64, rounded to float32).
+
+Randomness: ``(k0, k1) = splitmix64`` chain over ``(seed, key, step)``; element ``i`` uses
+``hash32(i mod 2**32, k0, k1 ^ (i >> 32) * 0x9E3779B9)`` (a keyed "lowbias32" hash), so every
+worker, server and backend draws the same numbers, in any order, in parallel.
+
+Payload body (after the 40-byte header), ``b = ceil(log2(s + 1)) + 1`` bits per element::
+
+    bytes [0, ceil(numel * b / 8))   codes, LSB-first bit stream: element i occupies stream bits
+                                     [i*b, i*b + b), stream bit j is bit (j % 8) of byte j // 8;
+                                     code = level index (bits 0..b-2) | sign << (b-1), sign 1 =
+                                     negative; unused bits of the last byte are 0
+    next 4 bytes                     norm, float32 little endian
+
+e.g. ``s=7``: 4 bits per element, two per byte, element 2j in the low nibble of byte j.
+
+Non-finite input: ``nan_policy='raise'`` raises ValueError (detected by the norm pass, no extra
+scan); ``'allow'`` encodes the whole chunk as NaN (codes 0, norm NaN), so the NaN reaches the
+receiver as it would uncompressed. Codes naming a level above ``s`` (impossible from an encoder)
+decode to NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import Codec
+from .header import Header
+from .kernels import dithering as K
+from .registry import register
+from .spec import Param, choice, parse_int
+
+__all__ = ["Dithering", "stream_keys"]
+
+_M64 = (1 << 64) - 1
+_DOMAIN = 0xD1B54A32D192ED03  # separates this codec's random stream from other codecs'
+_GOLD32 = 0x9E3779B9
+_F32_MAX = float(np.finfo(np.float32).max)
+_HASH_M1, _HASH_M2 = 0x7FEB352D, 0x846CA68B
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def stream_keys(seed: int, key: int, step: int) -> tuple[int, int]:
+    """The two 32-bit hash keys of the random stream of ``(seed, key, step)``."""
+    z = _splitmix64((seed & _M64) ^ _DOMAIN)
+    z = _splitmix64(z ^ (key & _M64))
+    z = _splitmix64(z ^ (step & _M64))
+    return z & 0xFFFFFFFF, z >> 32
+
+
+def _combine(lanes: list[float]) -> float:
+    """Sum the ``LANES`` partial sums in a fixed pairwise order (identical on every backend)."""
+    while len(lanes) > 1:
+        lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
+@register
+class Dithering(Codec):
+    """Stochastic quantization to ``s`` levels; see the module docstring for the wire format."""
+
+    name = "dithering"
+    codec_id = 6
+    PARAMS = (
+        Param("s", 7, parse_int(1, 127), "non-zero levels, 1..127"),
+        Param("partition", "linear", choice("linear", "natural"),
+              "linear: k/s; natural: 0 and powers of two 2**(k-s)"),
+        Param("normalize", "max", choice("max", "l2"), "norm: max|x| or the l2 norm"),
+    )
+    checks_finite = True
+
+    def __init__(self, numel: int, params: Any, **kwargs: Any) -> None:
+        super().__init__(numel, params, **kwargs)
+        self.s: int = self.params["s"]
+        self.natural = self.params["partition"] == "natural"
+        self.l2 = self.params["normalize"] == "l2"
+        self.bits = _code_bits(self.s)
+        self.code_bytes = (numel * self.bits + 7) // 8
+        self._signed_levels = self._level_table()
+        self._dev_levels: dict[str, torch.Tensor] = {}
+
+    def _body_bytes(self) -> int:
+        return (self.numel * _code_bits(self.params["s"]) + 7) // 8 + 4
+
+    def _level_table(self) -> np.ndarray:
+        """float64 ``sign * level`` for every code (NaN for codes naming a level above s)."""
+        half = 1 << (self.bits - 1)
+        k = np.arange(half, dtype=np.float64)
+        mag = np.exp2(k - self.s) if self.natural else k / self.s
+        if self.natural:
+            mag[0] = 0.0
+        mag[self.s + 1:] = np.nan
+        return np.concatenate([mag, -mag])
+
+    # -- encode -----------------------------------------------------------------------------
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+        torch_ops = self.use_torch(x.device)
+        norm, finite = _norm_torch(x, self.l2) if torch_ops else _norm_numba(x.numpy(), self.l2)
+        if not finite:
+            if self.nan_policy == "raise":
+                self._check_finite(x, key)  # raises, with the message every codec uses
+                raise ValueError(f"{self.name}.compress key {key}: non-finite norm {norm}")
+            norm = math.nan
+        if norm == 0.0 or not finite:
+            body[:self.code_bytes].zero_()
+        else:
+            pre, scale = self._scales(norm)
+            k0, k1 = stream_keys(self.seed, key, step)
+            if torch_ops:
+                body[:self.code_bytes].copy_(self._quantize_torch(x, pre, scale, k0, k1))
+            else:
+                kernel = K.encode_natural if self.natural else K.encode_linear
+                kernel(x.numpy(), body.numpy()[:self.code_bytes], self.bits, self.s,
+                       np.float32(pre), np.float32(scale), np.uint32(k0), np.uint32(k1))
+        raw = torch.frombuffer(bytearray(np.float32(norm).tobytes()), dtype=torch.uint8)
+        body[self.code_bytes:].copy_(raw)
+
+    def _scales(self, norm: float) -> tuple[float, float]:
+        """``(pre, scale)``, float32 values with ``(|x| * pre) * scale = L * |x| / norm`` (L = s
+        linear, 1 natural); ``pre`` is a power of two keeping ``scale`` a normal float32."""
+        pre = 2.0 ** 64 if norm < 2.0 ** -64 else (2.0 ** -64 if norm >= 2.0 ** 64 else 1.0)
+        top = 1.0 if self.natural else float(self.s)
+        return pre, float(np.float32(top / (norm * pre)))
+
+    def _quantize_torch(self, x: torch.Tensor, pre: float, scale: float, k0: int,
+                        k1: int) -> torch.Tensor:
+        """Torch-op twin of the numba kernels (same float32 operations, same codes)."""
+        idx = torch.arange(self.numel, dtype=torch.int64, device=x.device)
+        h = _hash32_torch(idx, k0, k1)
+        u = (h >> 8).to(torch.float32) * 2.0 ** -24
+        y = (x.abs() * pre) * scale
+        if self.natural:
+            y = y.clamp_max(1.0)
+            bits = y.view(torch.int32).to(torch.int64)
+            e = bits >> 23
+            big = ((h >> 9) < (bits & 0x7FFFFF)).to(torch.int64)
+            small = (u < y * 2.0 ** (self.s - 1)).to(torch.int64)
+            level = torch.where(e < 128 - self.s, small, e - (127 - self.s) + big)
+        else:
+            y = y.clamp_max(float(self.s))
+            lo = y.to(torch.int32).clamp_max(self.s - 1)
+            level = lo.to(torch.int64) + (u < y - lo.to(torch.float32)).to(torch.int64)
+        sign = (x.view(torch.int32) < 0).to(torch.int64) << (self.bits - 1)
+        return _pack_torch(level | sign, self.bits, self.code_bytes)
+
+    # -- decode -----------------------------------------------------------------------------
+    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+        self._apply(body, out, 1.0, add=False)
+
+    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
+        """``acc += float32(sign * level * (norm * alpha))`` straight from the codes (no dense
+        temporary; the products in float64)."""
+        self._apply(body, acc, alpha, add=True)
+
+    def _apply(self, body: torch.Tensor, out: torch.Tensor, alpha: float, add: bool) -> None:
+        codes = body[:self.code_bytes]
+        if self.use_torch(out.device):
+            norm = body[self.code_bytes:].clone().view(torch.float32).to(torch.float64)
+            table = (self._levels_on(out.device) * (norm * alpha)).to(torch.float32)
+            vals = table[_unpack_torch(codes, self.bits, self.numel)]
+            if add:
+                out.add_(vals)
+            else:
+                out.copy_(vals)
+            return
+        norm = float(body[self.code_bytes:].numpy().view(np.float32)[0])
+        table = (self._signed_levels * (norm * alpha)).astype(np.float32)
+        (K.decode_add if add else K.decode)(codes.numpy(), self.bits, table, out.numpy())
+
+    def _levels_on(self, device: torch.device) -> torch.Tensor:
+        t = self._dev_levels.get(str(device))
+        if t is None:
+            t = self._dev_levels[str(device)] = torch.from_numpy(self._signed_levels).to(device)
+        return t
+
+
+def _code_bits(s: int) -> int:
+    """Bits per element: ceil(log2(s + 1)) for the level index, plus one sign bit."""
+    return s.bit_length() + 1
+
+
+# -- norm (step 1) ----------------------------------------------------------------------------
+def _l2_norm(lanes: list[float]) -> tuple[float, bool]:
+    """float32 l2 norm from the partial sums of squares; an l2 norm beyond the float32 range
+    (finite input) becomes the largest float32, still >= max|x|, so quantization stays exact."""
+    total = _combine(lanes)
+    if not math.isfinite(total):
+        return total, False
+    return float(np.float32(min(math.sqrt(total), _F32_MAX))), True
+
+
+def _norm_numba(x: np.ndarray, l2: bool) -> tuple[float, bool]:
+    """``(norm as float32 value, all finite)`` by one numba pass."""
+    if l2:
+        return _l2_norm([float(v) for v in K.sumsq_lanes(x)])
+    bits = int(K.max_abs_bits(x.view(np.uint32)))
+    return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
+
+
+def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[float, bool]:
+    """Torch twin of :func:`_norm_numba` (the same partial sums, in the same order, on CPU)."""
+    if l2:
+        sq = x.to(torch.float64).square()
+        pad = (-sq.numel()) % K.LANES
+        if pad:
+            sq = torch.cat([sq, sq.new_zeros(pad)])
+        lanes = sq.view(-1, K.LANES).cumsum(0)[-1]  # sequential per lane, as the numba loop
+        return _l2_norm(lanes.tolist())
+    bits = int((x.view(torch.int32) & 0x7FFFFFFF).max())
+    return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
+
+
+# -- torch twins of the hash and the bit packing ----------------------------------------------
+def _mul32(a: torch.Tensor, m: int) -> torch.Tensor:
+    """``(a * m) mod 2**32`` for int64 ``a`` in [0, 2**32) without int64 overflow."""
+    lo = a * (m & 0xFFFF)
+    hi = ((a * (m >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & 0xFFFFFFFF
+
+
+def _hash32_torch(idx: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
+    """:func:`gradpress.compress.kernels.dithering.hash32` of element indices, as int64."""
+    kk1: torch.Tensor | int = k1
+    if idx.numel() and int(idx[-1]) >> 32:
+        kk1 = k1 ^ (((idx >> 32) * _GOLD32) & 0xFFFFFFFF)
+    h = (idx & 0xFFFFFFFF) ^ k0
+    h = h ^ (h >> 16)
+    h = _mul32(h, _HASH_M1)
+    h = h ^ (h >> 15) ^ kk1
+    h = _mul32(h, _HASH_M2)
+    return h ^ (h >> 16)
+
+
+def _pack_torch(codes: torch.Tensor, b: int, nbytes: int) -> torch.Tensor:
+    """Pack int64 ``b``-bit codes LSB-first into ``nbytes`` uint8 (the module's layout)."""
+    if b == 8:
+        return codes.to(torch.uint8)
+    pad = (-codes.numel()) % 8
+    groups = torch.cat([codes, codes.new_zeros(pad)]).view(-1, 8)
+    shifts = torch.arange(8, device=codes.device) * b
+    word = (groups << shifts).sum(1, keepdim=True)  # disjoint bit fields: sum == or; < 2**56
+    out = (word >> (torch.arange(b, device=codes.device) * 8)) & 0xFF
+    return out.reshape(-1)[:nbytes].to(torch.uint8)
+
+
+def _unpack_torch(body: torch.Tensor, b: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_torch`: int64 codes of ``numel`` elements."""
+    if b == 8:
+        return body.to(torch.int64)
+    pad = (-body.numel()) % b
+    groups = torch.cat([body, body.new_zeros(pad)]).to(torch.int64).view(-1, b)
+    word = (groups << (torch.arange(b, device=body.device) * 8)).sum(1, keepdim=True)
+    codes = (word >> (torch.arange(8, device=body.device) * b)) & ((1 << b) - 1)
+    return codes.reshape(-1)[:numel]
