@@ -1,0 +1,224 @@
+"""``DistributedOptimizer``: wrap a torch optimizer so each gradient is push_pulled (compressed,
+two-way, with error feedback) as soon as backward produces it.
+
+Steps of one training iteration (Horovod/BytePS pattern; BytePS-Compress, Zhong et al. 2021):
+
+1. ``loss.backward()``: a post-accumulate-grad hook on every parameter counts backward passes;
+   on the ``backward_passes_per_step``-th pass it starts ``push_pull_async`` of that gradient,
+   so communication of late layers overlaps backward of early layers.
+2. ``step()`` calls :meth:`synchronize`: parameters whose hook did not fire (no gradient this
+   step) push zeros, so no server waits forever; every handle is waited for and the averaged,
+   decompressed gradient replaces ``p.grad``.
+3. With ``nan_policy="skip"`` a worker whose gradient is not finite pushes zeros instead and the
+   workers agree (a one-element uncompressed push_pull) to skip the step everywhere; gradients are
+   then set to inf so a ``torch.amp.GradScaler`` also sees the overflow and lowers its scale.
+4. The wrapped optimizer's ``step`` runs on the averaged gradient. Every worker received the same
+   bytes, so replicas stay identical without broadcasting parameters after step 0.
+
+With ``torch.amp.GradScaler``, follow the Horovod recipe::
+
+    scaler.scale(loss).backward()
+    opt.synchronize()
+    scaler.unscale_(opt)            # optional (gradient clipping)
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..compress.spec import CodecSpec, parse_spec
+
+__all__ = ["DistributedOptimizer"]
+
+log = logging.getLogger(__name__)
+NAN_POLICIES = ("raise", "skip")
+_FLAG_NAME = "gradpress.nonfinite"
+
+
+def DistributedOptimizer(  # noqa: N802  (factory named like the class it returns, as Horovod's)
+        optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
+        compression: str | Mapping[str, Any] | CodecSpec | None = "none", ef: str | None = None,
+        momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
+        backward_passes_per_step: int = 1, nan_policy: str = "raise") -> torch.optim.Optimizer:
+    """Return ``optimizer`` turned into a distributed one (same class name, a subclass of it).
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (its param groups and hyperparameters are taken).
+        named_parameters: ``model.named_parameters()``; names key the tensors on all workers.
+            Without it, names are ``group{g}.param{i}`` (same model on all workers required).
+        compression: codec spec (``"onebit"``, ``"topk:k=0.001,values=fp16"``, a BytePS dict).
+        ef: error feedback: ``"vanilla"``, ``"corrected"`` (the group's lr travels with each
+            push), ``"sparse"`` (randomk) or None.
+        momentum: ``"nesterov"`` applies momentum before compression (dist-EF-SGDM); turn the
+            optimizer's own momentum off then.
+        mu: that momentum's coefficient.
+        min_compress_bytes: gradients smaller than this travel uncompressed (exact).
+        backward_passes_per_step: gradients accumulate locally over this many backward passes
+            before one push_pull (not divided: scale the loss if you want a mean).
+        nan_policy: ``"raise"`` (non-finite gradients are an error) or ``"skip"`` (the step is
+            skipped on all workers; use this with AMP).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    methods = {k: v for k, v in vars(_Distributed).items() if k not in ("__dict__", "__weakref__")}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    obj = cls.__new__(cls)
+    obj.__dict__.update(optimizer.__dict__)  # keep hyperparameters, state and param groups
+    obj._gp_init(named_parameters, compression, ef, momentum, mu, min_compress_bytes,
+                 backward_passes_per_step, nan_policy)
+    return obj
+
+
+class _Distributed:
+    """Methods mixed into the dynamic subclass built by :func:`DistributedOptimizer`."""
+
+    def _gp_init(self, named_parameters: Iterable[tuple[str, Any]] | None, compression: Any,
+                 ef: str | None, momentum: str | None, mu: float, min_compress_bytes: int | None,
+                 passes: int, nan_policy: str) -> None:
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}, "
+                             f"got {nan_policy!r}")
+        if min_compress_bytes is not None and min_compress_bytes < 0:
+            raise ValueError(f"min_compress_bytes must be >= 0, got {min_compress_bytes}")
+        cs = parse_spec(compression)
+        wrappers = dict(cs.wrappers)
+        for k, v in (("ef", ef), ("momentum", momentum)):
+            if v is not None:
+                wrappers[k] = v
+        if wrappers.get("momentum") not in (None, "none", ""):
+            wrappers.setdefault("mu", mu)
+        self._gp_spec = CodecSpec(cs.name, dict(cs.params), wrappers)
+        self._gp_min_bytes = min_compress_bytes
+        self._gp_passes = passes
+        self._gp_nan = nan_policy
+        self._gp_names = _param_names(self.param_groups, named_parameters)
+        self._gp_lr = {p: g for g in self.param_groups for p in g["params"]}
+        self._gp_counts: dict[torch.Tensor, int] = {}
+        self._gp_handles: dict[torch.Tensor, Any] = {}
+        self._gp_nonfinite = False
+        self._gp_skipped = False
+        self._gp_skip_sync = False
+        self._gp_hooks = [p.register_post_accumulate_grad_hook(self._gp_hook)
+                          for p in self._gp_names if p.requires_grad]
+        log.info("DistributedOptimizer(%s): %d tensors, compression=%s, min_compress_bytes=%s, "
+                 "backward_passes_per_step=%d, nan_policy=%s", type(self).__name__,
+                 len(self._gp_hooks), self._gp_spec, min_compress_bytes, passes, nan_policy)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _gp_hook(self, p: torch.Tensor) -> None:  # step 1
+        n = self._gp_counts.get(p, 0) + 1
+        self._gp_counts[p] = n
+        if n > self._gp_passes:
+            raise RuntimeError(
+                f"gradient of {self._gp_names[p]!r} computed {n} times before step(); call "
+                f"step() or synchronize() every {self._gp_passes} backward pass(es) "
+                f"(backward_passes_per_step), or use skip_synchronize() for local steps")
+        if n == self._gp_passes and self._gp_communicates():
+            self._gp_push(p)
+
+    def _gp_communicates(self) -> bool:
+        """False once an optimizer that communicates by itself (1-bit Adam) took over."""
+        return not getattr(self, "compression_active", False)
+
+    def _gp_push(self, p: torch.Tensor) -> None:
+        from .. import api
+
+        grad = p.grad.detach() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+        if self._gp_nan == "skip" and not bool(torch.isfinite(grad).all()):
+            self._gp_nonfinite = True
+            grad = torch.zeros_like(grad)
+        self._gp_handles[p] = api.push_pull_async(
+            grad, self._gp_names[p], average=True, compression=self._gp_spec,
+            lr=self._gp_lr[p]["lr"], min_compress_bytes=self._gp_min_bytes)
+
+    # -- public ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish the push_pull of every gradient and write the averages into ``p.grad``."""
+        from .. import api
+
+        if self._gp_communicates():
+            for p in self._gp_names:  # step 2: parameters without a gradient push zeros
+                if p.requires_grad and p not in self._gp_handles:
+                    self._gp_push(p)
+        for p, h in self._gp_handles.items():
+            avg = h.wait()
+            if p.grad is None:
+                p.grad = avg.to(dtype=p.dtype)
+            else:
+                p.grad.copy_(avg)
+        self._gp_handles.clear()
+        self._gp_counts.clear()
+        self._gp_skipped = False
+        if self._gp_nan == "skip":  # step 3
+            flag = torch.tensor([1.0 if self._gp_nonfinite else 0.0])
+            total = api.push_pull(flag, _FLAG_NAME, average=False, compression="none")
+            self._gp_nonfinite = False
+            if float(total[0]) > 0:
+                self._gp_skipped = True
+                for p in self._gp_names:
+                    if p.grad is not None:
+                        p.grad.fill_(float("inf"))
+                log.warning("non-finite gradient on %d worker(s): step skipped on all workers",
+                            int(total[0]))
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last synchronize found a non-finite gradient (nan_policy='skip')."""
+        return self._gp_skipped
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize (call :meth:`synchronize` first)."""
+        self._gp_skip_sync = True
+        try:
+            yield
+        finally:
+            self._gp_skip_sync = False
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize (unless inside :meth:`skip_synchronize`) and step the wrapped optimizer."""
+        if not self._gp_skip_sync:
+            self.synchronize()
+        if self._gp_skipped:  # step 3: agreed skip
+            return None
+        return super(self.__class__, self).step(closure)  # step 4
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._gp_handles:
+            raise RuntimeError("zero_grad() called while push_pulls are in flight; call step() "
+                               "or synchronize() first")
+        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def _param_names(groups: list[dict[str, Any]], named: Iterable[tuple[str, Any]] | None
+                 ) -> dict[torch.Tensor, str]:
+    """Map every parameter of the optimizer to a unique name (checked)."""
+    params = [p for g in groups for p in g["params"]]
+    if named is None:
+        return {p: f"group{gi}.param{i}" for gi, g in enumerate(groups)
+                for i, p in enumerate(g["params"])}
+    by_param: dict[torch.Tensor, str] = {}
+    seen: set[str] = set()
+    for name, p in named:
+        if not isinstance(name, str):
+            raise TypeError(f"named_parameters must yield (str, Tensor) pairs, got name {name!r}")
+        if name in seen:
+            raise ValueError(f"named_parameters has the name {name!r} twice")
+        seen.add(name)
+        by_param.setdefault(p, name)
+    missing = [i for i, p in enumerate(params) if p not in by_param]
+    if missing:
+        raise ValueError(f"{len(missing)} optimizer parameter(s) (indices {missing[:5]}) are not "
+                         "in named_parameters; pass model.named_parameters() of the same model")
+    return {p: by_param[p] for p in params}
