@@ -1,0 +1,433 @@
+"""A DDP communication hook that averages gradients with two-way compression, in allreduce form.
+
+For users who keep :class:`torch.nn.parallel.DistributedDataParallel`: the BytePS-Compress
+scheme (Zhong, Xie, Zheng, Lin 2021, "Compressed Communication for Distributed Training: Adaptive
+Methods and System") without separate server processes. Every rank serves one shard of each
+gradient bucket, as a reduce-scatter/all-gather allreduce does, and the pushes and the replies are
+both compressed with error feedback::
+
+    from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+    state = TwoWayCompressionState(spec="onebit", ef="vanilla", min_compress_bytes=1 << 20)
+    ddp_model.register_comm_hook(state, two_way_compression_hook)
+
+Modelled on PyTorch's ``ddp_comm_hooks/powerSGD_hook.py``: a state object holding the
+hyperparameters and the per-bucket state, and a pure hook function.
+"""
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .compress import Codec, build
+
+__all__ = ["TwoWayCompressionState", "two_way_compression_hook"]
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+# all_gather_single (torch >= 2.13) replaces the deprecated all_gather_into_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _shard_bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """Shard s = [lo, hi) of a bucket of ``numel``; fixed by (numel, world) so all ranks agree."""
+    base, rem = divmod(numel, world)
+    bounds, lo = [], 0
+    for s in range(world):
+        hi = lo + base + (1 if s < rem else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _key(index: int, shard: int, world: int) -> int:
+    key = index * world + shard
+    if key >= 2**32:
+        raise ValueError(f"bucket {index} shard {shard}: key {key} does not fit the 32-bit header "
+                         f"key field (world size {world})")
+    return key
+
+
+class _BucketCodecs:
+    """Codecs and fixed-size wire buffers of one bucket layout on one rank.
+
+    ``workers[s]`` compresses shard s (worker side, with its own residual); ``server`` recompresses
+    the average of shard ``rank`` (server side, with the server residual). Every payload travels in
+    a slot of ``slot`` bytes (the largest shard payload), so all messages have a fixed size.
+    """
+
+    def __init__(self, layout: tuple, numel: int, world: int, rank: int,
+                 state: "TwoWayCompressionState", device: torch.device) -> None:
+        self.layout, self.numel, self.world, self.rank = layout, numel, world, rank
+        self.bounds = _shard_bounds(numel, world)
+        self.workers = [state._build(hi - lo) for lo, hi in self.bounds]
+        lo, hi = self.bounds[rank]
+        self.server = state._build(hi - lo)
+        self.slot = max(c.payload_bytes for c in self.workers)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.send = torch.zeros(world * self.slot, **u8)
+        self.recv = torch.zeros(world * self.slot, **u8)
+        self.agg = torch.zeros(self.slot, **u8)
+        self.gathered = torch.zeros(world * self.slot, **u8)
+        self.acc = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+
+    def payload(self, buf: torch.Tensor, i: int, shard: int) -> torch.Tensor:
+        """The bytes of slot i of ``buf`` that hold a payload of shard ``shard``."""
+        return buf[i * self.slot: i * self.slot + self.workers[shard].payload_bytes]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"numel": self.numel, "world_size": self.world, "rank": self.rank,
+                "worker": [c.state_dict() for c in self.workers],
+                "server": self.server.state_dict()}
+
+    def matches(self, saved: Mapping[str, Any]) -> bool:
+        return (saved.get("numel"), saved.get("world_size"), saved.get("rank")) == \
+            (self.numel, self.world, self.rank) and len(saved.get("worker", ())) == self.world
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        for c, s in zip(self.workers, saved["worker"]):
+            c.load_state_dict(s)
+        self.server.load_state_dict(saved["server"])
+
+
+class _Job:
+    """A bucket whose payload exchange (step 3) is in flight."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, codecs: _BucketCodecs, step: int,
+                 group: Any, work: Any) -> None:
+        self.index, self.buffer, self.codecs, self.step = index, buffer, codecs, step
+        self.group, self.work = group, work
+        self.future: torch.futures.Future = torch.futures.Future()
+
+
+class TwoWayCompressionState:
+    r"""Hyperparameters and per-bucket state of :func:`two_way_compression_hook`.
+
+    Hyperparameters are fixed at construction (assigning one raises AttributeError; build a new
+    state instead); ``process_group`` and ``lr`` may be reassigned. The state holds, per bucket
+    index: one worker codec per shard (error-feedback residual per (bucket, shard)), one server
+    codec for the shard this rank owns (the server residual), a step counter, and wire buffers.
+
+    1. ``spec`` (default ``"onebit"``) is the codec spec string, e.g. ``"onebit"``,
+       ``"topk:k=0.001,values=fp16"``, ``"randomk:k=0.01"``, ``"dithering:s=7"``. It sets the
+       compression rate: onebit sends ~1 bit/element; topk/randomk ``k`` is a fraction of each
+       shard. Start with ``onebit`` or ``topk:k=0.01``; lower k only while accuracy holds.
+       ``"none"`` sends fp32 (a reference that matches DDP's own allreduce).
+    2. ``ef`` (default ``"vanilla"``) is the error feedback on both sides (``None``,
+       ``"vanilla"``, ``"corrected"`` which needs ``lr``, ``"sparse"`` for randomk). Keep it on
+       for biased codecs (onebit, topk): without it they usually lose accuracy. It costs one fp32
+       copy of the gradients (plus a scratch) on every rank, and 1/world_size of that on the
+       server side.
+    3. ``min_compress_bytes`` (default 1 MiB): buckets whose fp32 size is below it are averaged
+       with a plain allreduce, and shards below it travel as fp32. Small tensors gain little from
+       compression and pay its per-call cost; raise it if compression time shows up in profiles,
+       lower it (0 compresses everything) if the network is the bottleneck.
+    4. ``start_compress_iter`` (default 0): iterations averaged with a plain allreduce before
+       compression starts. A few hundred uncompressed warm-up steps (as 1-bit Adam does) help
+       adaptive optimizers; set it to at least the learning-rate warm-up length when accuracy
+       suffers early. Any value >= 1 also skips DDP's first iteration, after which DDP rebuilds
+       its buckets (a rebuilt bucket gets new codecs, and its residuals restart from zero).
+    5. ``seed`` (default 0): base seed of codecs that draw random numbers (randomk); the same on
+       every rank.
+    6. ``overlap`` (default True): finish each bucket while the next one is being produced (see
+       :func:`two_way_compression_hook`); False finishes every bucket inside its own hook call.
+    7. ``lr``: the current learning rate, only for ``ef="corrected"``; set ``state.lr`` before
+       each backward pass when the learning rate changes.
+
+    Picklable: the process group is dropped (None means the default group, resolved at the next
+    hook call; set ``state.process_group`` after unpickling to use another). Residuals and step
+    counters are saved by :meth:`state_dict` (per rank: each rank has its own residuals).
+    """
+
+    __slots__ = ("process_group", "_lr", "_spec", "_ef", "_min_compress_bytes",
+                 "_start_compress_iter", "_seed", "_overlap", "iter", "_buckets", "_steps",
+                 "_loaded", "_inflight", "_stats")
+
+    def __init__(self, spec: str = "onebit", ef: str | None = "vanilla", *,
+                 min_compress_bytes: int = 1 << 20, start_compress_iter: int = 0, seed: int = 0,
+                 overlap: bool = True, lr: float | None = None, process_group: Any = None) -> None:
+        if not isinstance(spec, str):
+            raise TypeError(f"TwoWayCompressionState: spec must be a spec string such as "
+                            f"'onebit', got {type(spec).__name__}")
+        for name, v in (("min_compress_bytes", min_compress_bytes),
+                        ("start_compress_iter", start_compress_iter), ("seed", seed)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TwoWayCompressionState: {name} must be an int >= 0, got {v!r}")
+        build(spec, 16, ef=ef, seed=seed)  # validates spec and ef now (ValueError names them)
+        self._spec, self._ef, self._seed = spec, ef, seed
+        self._min_compress_bytes = min_compress_bytes
+        self._start_compress_iter = start_compress_iter
+        self._overlap = bool(overlap)
+        self.process_group = process_group
+        self.lr = lr
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self.iter = 0
+        self._buckets: dict[int, _BucketCodecs] = {}
+        self._steps: dict[int, int] = {}
+        self._loaded: dict[int, Mapping[str, Any]] = {}
+        self._inflight: _Job | None = None
+        self._stats = dict.fromkeys(("compressed_buckets", "allreduced_buckets", "dense_bytes",
+                                     "payload_bytes", "allreduce_bytes"), 0)
+
+    spec = property(lambda self: self._spec, doc="codec spec string")
+    ef = property(lambda self: self._ef, doc="error-feedback kind (both sides)")
+    min_compress_bytes = property(lambda self: self._min_compress_bytes)
+    start_compress_iter = property(lambda self: self._start_compress_iter)
+    seed = property(lambda self: self._seed)
+    overlap = property(lambda self: self._overlap)
+
+    @property
+    def lr(self) -> float | None:
+        """Learning rate carried to the codecs (needed by ``ef="corrected"``)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0):
+            raise ValueError(f"TwoWayCompressionState: lr must be None or a number > 0, "
+                             f"got {value!r}")
+        self._lr = None if value is None else float(value)
+
+    def __repr__(self) -> str:
+        return (f"TwoWayCompressionState(spec={self.spec!r}, ef={self.ef!r}, "
+                f"min_compress_bytes={self.min_compress_bytes}, iter={self.iter}, "
+                f"buckets={len(self._buckets)})")
+
+    def _build(self, numel: int) -> Codec:
+        if numel * 4 < self._min_compress_bytes:
+            return build("none", numel)
+        return build(self._spec, numel, ef=self._ef, seed=self._seed)
+
+    def _group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def compression_stats(self) -> dict[str, int]:
+        """Counters since construction: buckets compressed/allreduced, their fp32 bytes
+        (``dense_bytes``, ``allreduce_bytes``), and the payload bytes this rank produced."""
+        return {"iter": self.iter, **self._stats}
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Iteration, per-bucket step counters and residuals (CPU tensors) of this rank."""
+        if self._inflight is not None:
+            raise RuntimeError("TwoWayCompressionState.state_dict: a bucket is in flight; call "
+                               "it between iterations (after backward has finished)")
+        buckets = {i: dict(s) for i, s in self._loaded.items()}
+        buckets.update({i: c.state_dict() for i, c in self._buckets.items()})
+        return {"version": _STATE_VERSION, "iter": self.iter, "steps": dict(self._steps),
+                "buckets": buckets}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output of the same rank.
+
+        A bucket's residuals are applied to its codecs now, or when the bucket is first seen with
+        the saved size (DDP builds buckets at the first backward pass).
+        """
+        if not isinstance(state, Mapping) or set(state) != {"version", "iter", "steps", "buckets"}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"TwoWayCompressionState.load_state_dict: expected keys "
+                             f"['buckets', 'iter', 'steps', 'version'], got {got}")
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(f"TwoWayCompressionState.load_state_dict: state version "
+                             f"{state['version']!r}, expected {_STATE_VERSION}")
+        if self._inflight is not None:
+            raise RuntimeError("TwoWayCompressionState.load_state_dict: a bucket is in flight")
+        self.iter = int(state["iter"])
+        self._steps = {int(i): int(s) for i, s in state["steps"].items()}
+        self._loaded = {}
+        for i, saved in state["buckets"].items():
+            codecs = self._buckets.get(int(i))
+            if codecs is not None and codecs.matches(saved):
+                codecs.load_state_dict(saved)
+            else:
+                self._loaded[int(i)] = saved
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Hyperparameters and :meth:`state_dict`; the process group is dropped (not picklable)."""
+        log.info("TwoWayCompressionState: the process group is not pickled; the default group "
+                 "is used after unpickling unless process_group is set")
+        hyper = {n: getattr(self, n) for n in ("spec", "ef", "min_compress_bytes",
+                                               "start_compress_iter", "seed", "overlap", "lr")}
+        return {"hyper": hyper, "state": self.state_dict()}
+
+    def __setstate__(self, d: Mapping[str, Any]) -> None:
+        """Rebuild from :meth:`__getstate__` output; codecs are re-created lazily."""
+        h = dict(d["hyper"])
+        TwoWayCompressionState.__init__(self, h.pop("spec"), h.pop("ef"), **h)
+        self.load_state_dict(d["state"])
+
+    # -- hook machinery ---------------------------------------------------------------------------
+    def _codecs_for(self, bucket: dist.GradBucket, world: int, rank: int) -> _BucketCodecs:
+        """The bucket's codecs; re-created (residuals restart) when DDP changed its layout."""
+        index, buf = bucket.index(), bucket.buffer()
+        layout = (world, rank, buf.numel(), buf.dtype, str(buf.device),
+                  tuple((tuple(p.shape), p.data_ptr()) for p in bucket.parameters()))
+        cur = self._buckets.get(index)
+        if cur is not None and cur.layout == layout:
+            return cur
+        if cur is not None:
+            log.info("gradpress DDP hook: bucket %d changed layout (%d -> %d elements, e.g. DDP "
+                     "rebuilt its buckets); re-creating its codecs, residuals restart from zero",
+                     index, cur.numel, buf.numel())
+        cur = self._buckets[index] = _BucketCodecs(layout, buf.numel(), world, rank, self,
+                                                   buf.device)
+        saved = self._loaded.get(index)
+        if saved is not None and cur.matches(saved):
+            cur.load_state_dict(self._loaded.pop(index))
+        return cur
+
+    def _launch(self, bucket: dist.GradBucket, group: Any) -> torch.futures.Future:
+        """Steps 1-3: shard, compress every shard, start the payload exchange."""
+        world, rank = group.size(), dist.get_rank(group)
+        index, buf = bucket.index(), bucket.buffer()
+        codecs = self._codecs_for(bucket, world, rank)
+        step = self._steps.get(index, 0)
+        self._steps[index] = step + 1
+        # 1.+2. shard s of the flat buffer -> worker codec s (its residual) -> send slot s
+        for s, (lo, hi) in enumerate(codecs.bounds):
+            codecs.workers[s].compress(buf[lo:hi], key=_key(index, s, world), step=step,
+                                       lr=self.lr, out=codecs.payload(codecs.send, s, s))
+        # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
+        work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
+        self._inflight = _Job(index, buf, codecs, step, group, work)
+        self._stats["compressed_buckets"] += 1
+        self._stats["dense_bytes"] += buf.numel() * 4
+        self._stats["payload_bytes"] += codecs.send.numel() + codecs.slot
+        return self._inflight.future
+
+    def _drain(self) -> None:
+        """Steps 4-5 for the bucket in flight: aggregate our shard, start the all-gather."""
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        try:
+            job.work.wait()
+            self._serve(job)
+            c = job.codecs
+            work = _all_gather_single(c.gathered, c.agg, group=job.group, async_op=True)
+            work.get_future().then(functools.partial(_finish, job))
+        except BaseException as e:
+            job.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            raise
+
+    def _serve(self, job: _Job) -> None:
+        """Step 4: decode-accumulate all ranks' payloads (rank order), average, recompress."""
+        c = job.codecs
+        key = _key(job.index, c.rank, c.world)
+        c.acc.zero_()
+        for src in range(c.world):
+            p = c.payload(c.recv, src, c.rank)
+            c.server.check_header(p, key=key, step=job.step, sender=f"rank {src}")
+            c.server.decompress_add(p, c.acc)
+        c.acc.div_(c.world)
+        # the server codec adds its residual before recompressing (server-side error feedback)
+        c.server.compress(c.acc, key=key, step=job.step, lr=self.lr,
+                          out=c.agg[:c.server.payload_bytes])
+
+    def _fail(self, exc: BaseException) -> None:
+        job, self._inflight = self._inflight, None
+        if job is not None and not job.future.done():
+            job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+
+
+def _finish(job: _Job, fut: torch.futures.Future) -> None:
+    """Step 6 (all-gather done): decode every shard's aggregate into the bucket buffer."""
+    try:
+        fut.wait()  # re-raises a failed all-gather
+        c, buf = job.codecs, job.buffer
+        for s, (lo, hi) in enumerate(c.bounds):
+            p = c.payload(c.gathered, s, s)
+            c.workers[s].check_header(p, key=_key(job.index, s, c.world), step=job.step,
+                                      sender=f"rank {s} (owner of shard {s})")
+            if buf.dtype == torch.float32:
+                c.workers[s].decompress(p, out=buf[lo:hi])
+            else:
+                buf[lo:hi].copy_(c.workers[s].decompress(p))
+    except Exception as e:
+        job.future.set_exception(e)
+        return
+    job.future.set_result(buf)
+
+
+def _allreduce_average(buf: torch.Tensor, group: Any) -> torch.futures.Future:
+    """Uncompressed path: divide by the world size, then allreduce-sum (as DDP's default)."""
+    buf.div_(group.size())
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
+def two_way_compression_hook(
+    state: TwoWayCompressionState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    r"""Average a DDP gradient bucket with two-way compressed communication.
+
+    Rank r acts as the server of shard r of every bucket (BytePS-Compress's worker/server roles
+    folded into the ranks, in the shape of a reduce-scatter + all-gather allreduce):
+
+    1. Views the bucket buffer as one flat tensor and splits it into ``world_size`` shards whose
+       sizes depend only on the bucket's element count, so every rank agrees.
+    2. Compresses every shard with this rank's worker codec for (bucket index, shard), whose
+       error-feedback residual absorbs the compression error; key = index * world + shard, step =
+       this bucket's call count (randomk draws identical indices on every rank from them).
+    3. Exchanges payloads with ``all_to_all_single`` on uint8 (gloo and NCCL both support it):
+       owner r receives every rank's payload for shard r. Payloads have a size fixed by the codec
+       and shard, padded to one slot size.
+    4. The owner validates each header (errors name the sending rank), decode-accumulates the
+       payloads in rank order (deterministic), divides by ``world_size``, adds its server
+       residual and recompresses (server-side error feedback).
+    5. All-gathers the compressed aggregates (fixed slot size).
+    6. Every rank decodes all shards into the bucket buffer; the bytes are identical on every
+       rank, so the replicas stay bit-identical.
+
+    Buckets below ``state.min_compress_bytes`` and iterations before
+    ``state.start_compress_iter`` use a plain averaging allreduce.
+
+    Overlap (``state.overlap=True``): steps 1-3 run when DDP hands over the bucket; steps 4-5 run
+    at the next hook call (or at once for the last bucket of the iteration), and step 6 when the
+    all-gather completes, on the communication thread. So the payload exchange overlaps the rest
+    of backward, while every collective is still issued from the hook, in bucket order, which
+    keeps the collectives in the same order on all ranks. The compression itself runs on the
+    backward thread. With ``overlap=False`` every bucket is finished inside its own hook call:
+    simpler, and communication then stalls backward.
+
+    Args:
+        state: :class:`TwoWayCompressionState` with the hyperparameters and residuals.
+        bucket: the DDP gradient bucket (its ``index()`` identifies it; a change of its layout,
+            e.g. DDP's bucket rebuild after the first iteration, re-creates its codecs).
+
+    Returns:
+        A future completed with the averaged bucket buffer (updated in place).
+
+    Example::
+        >>> state = TwoWayCompressionState(spec="onebit", ef="vanilla")
+        >>> ddp_model.register_comm_hook(state, two_way_compression_hook)
+    """
+    group = state._group()
+    buf = bucket.buffer()
+    if not buf.is_floating_point():
+        raise TypeError(f"two_way_compression_hook: bucket {bucket.index()} buffer has dtype "
+                        f"{buf.dtype}, expected a floating dtype")
+    try:
+        state._drain()  # steps 4-5 of the previous bucket, before any new collective
+        if state.iter >= state.start_compress_iter \
+                and buf.numel() * 4 >= max(state.min_compress_bytes, 1):
+            fut = state._launch(bucket, group)
+            if bucket.is_last() or not state.overlap:
+                state._drain()
+        else:
+            state._stats["allreduced_buckets"] += 1
+            state._stats["allreduce_bytes"] += buf.numel() * buf.element_size()
+            fut = _allreduce_average(buf, group)
+    except BaseException as e:
+        state._fail(e)
+        raise
+    if bucket.is_last():
+        state.iter += 1
+    return fut
