@@ -1,0 +1,249 @@
+"""Error feedback: a stateful wrapper that makes any codec's compression error a residual
+added back into the next step's input.
+
+Kinds (design brief §3):
+
+* ``vanilla`` (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback Fixes
+  SignSGD"): p = x + e; c = C(p); e = p - D(c).
+* ``corrected`` (Zheng, Huang, Kwok 2019; the BytePS "corrected" EF): the residual lives in update
+  units, so when the learning rate changes it is rescaled: p = x + (lr_prev / lr_now) * e; then
+  as vanilla. ``lr`` is required and travels in the payload header.
+* ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
+  draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
+
+The residual is float32, allocated lazily on the device of the first input and zero-initialised.
+Steady-state calls allocate nothing: the residual and one scratch buffer (from ``_scratch``)
+alternate roles (vanilla/corrected), so ``residual`` is a live view of the current residual:
+copy it to keep a snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .base import Codec
+from .header import HEADER_BYTES, Header, pack_header
+from .registry import EF_KINDS
+
+__all__ = ["CodecWrapper", "ErrorFeedback"]
+
+
+class CodecWrapper(Codec):
+    """Base of stateful wrappers: same wire identity as ``inner`` (name, codec id, numel,
+    payload size, fingerprint, spec text); decoding and header checks are delegated to it."""
+
+    def __init__(self, inner: Codec) -> None:  # noqa: D107 - Codec.__init__ is not called
+        if not isinstance(inner, Codec):
+            raise TypeError(f"{type(self).__name__} wraps a Codec, got {type(inner).__name__}")
+        self.inner = inner
+        for attr in ("numel", "params", "seed", "nan_policy", "backend", "spec_text",
+                     "fingerprint", "payload_bytes"):
+            setattr(self, attr, getattr(inner, attr))
+
+    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
+    codec_id = property(lambda self: self.inner.codec_id)  # type: ignore[assignment]
+    checks_finite = property(lambda self: self.inner.checks_finite)  # type: ignore[assignment]
+
+    # the codec hooks are the inner codec's (stateless) ones
+    def _body_bytes(self) -> int:
+        return self.inner._body_bytes()
+
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+        self.inner._encode(x, body, key, step)
+
+    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
+        self.inner._decode(body, out, h)
+
+    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
+        self.inner._decode_add(body, acc, alpha, h)
+
+    def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,
+                   key: int | None = None, step: int | None = None) -> torch.Tensor:
+        """Decode with the inner codec (decoding is stateless)."""
+        return self.inner.decompress(payload, out=out, key=key, step=step)
+
+    def decompress_add(self, payload: torch.Tensor, acc: torch.Tensor, *, alpha: float = 1.0,
+                       key: int | None = None, step: int | None = None) -> Header:
+        """``acc += alpha * decompress(payload)``, by the inner codec."""
+        return self.inner.decompress_add(payload, acc, alpha=alpha, key=key, step=step)
+
+    def check_header(self, payload: torch.Tensor, *, key: int | None = None,
+                     step: int | None = None, sender: str | None = None) -> Header:
+        """Validate ``payload`` against the inner codec."""
+        return self.inner.check_header(payload, key=key, step=step, sender=sender)
+
+    def use_torch(self, device: torch.device) -> bool:
+        return self.inner.use_torch(device)
+
+    def _start_payload(self, out: torch.Tensor | None, device: torch.device, key: int,
+                       step: int, lr: float | None) -> tuple[torch.Tensor, Header]:
+        """The output payload with its header written; returns (payload, header)."""
+        payload = self._out_payload(out, device)
+        h = Header(self.codec_id, int(key), self.numel, int(step), lr, self.fingerprint)
+        pack_header(payload, h)
+        return payload, h
+
+    def _state_tensor(self, state: Mapping[str, Any], name: str) -> torch.Tensor | None:
+        """Validate a saved float tensor of ``numel`` elements (or None); returns float32 CPU."""
+        t = state[name]
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{type(self).__name__} state {name!r}: expected a float tensor or "
+                             f"None, got {type(t).__name__}")
+        if t.numel() != self.numel:
+            raise ValueError(f"{type(self).__name__} state {name!r}: shape {tuple(t.shape)}, "
+                             f"expected ({self.numel},) for {self.spec_text}")
+        return t.detach().reshape(-1).to("cpu", torch.float32).clone()
+
+
+def _check_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"{owner}.load_state_dict expects a mapping, got {type(state).__name__}")
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(f"{owner}.load_state_dict: state keys do not match; missing {missing}, "
+                         f"unexpected {extra}, expected {sorted(expected)}")
+
+
+class ErrorFeedback(CodecWrapper):
+    """Error feedback around ``codec`` (see the module docstring for the kinds).
+
+    Args:
+        codec: the codec whose compression error is fed back.
+        kind: ``"vanilla"``, ``"corrected"`` (``compress`` needs ``lr``) or ``"sparse"`` (only
+            for codecs that draw their indices from (seed, key, step), i.e. ``randomk``).
+    """
+
+    def __init__(self, codec: Codec, *, kind: str = "vanilla") -> None:
+        super().__init__(codec)
+        if isinstance(codec, ErrorFeedback):
+            raise TypeError(f"codec {codec.spec_text!r} already has error feedback "
+                            f"({codec.kind}); wrap the plain codec")
+        if kind not in EF_KINDS:
+            raise ValueError(f"unknown error-feedback kind {kind!r}; valid: {', '.join(EF_KINDS)}")
+        if kind == "sparse" and not callable(getattr(codec, "indices", None)):
+            raise ValueError(f"ef='sparse' needs a codec that draws its indices from (seed, key, "
+                             f"step) (randomk); codec {codec.name!r} does not")
+        self.kind = kind
+        self.lr_prev: float | None = None
+        self._e: torch.Tensor | None = None       # the residual
+        self._spare: torch.Tensor | None = None   # scratch for p and p - D(c)
+        self._loaded: torch.Tensor | None = None  # residual restored before the first compress
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.inner!r}, kind={self.kind!r})"
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """The current residual (live buffer; None before the first compress)."""
+        return self._e if self._e is not None else self._loaded
+
+    # -- compress ---------------------------------------------------------------------------------
+    def compress(self, x: torch.Tensor, *, key: int = 0, step: int = 0, lr: float | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Compress ``x`` plus the residual and update the residual (see the module docstring)."""
+        flat = self._as_input(x)
+        ratio = self._lr_ratio(lr)
+        payload, h = self._start_payload(out, flat.device, key, step, lr)
+        if self.numel:
+            self._ensure_buffers(flat.device)
+            if self.kind == "sparse":
+                self._compress_sparse(flat, payload[HEADER_BYTES:], h)
+            else:
+                self._compress_dense(flat, payload[HEADER_BYTES:], h, ratio)
+        if lr is not None:
+            self.lr_prev = float(lr)
+        return payload
+
+    def _lr_ratio(self, lr: float | None) -> float:
+        """lr_prev / lr for corrected EF (1 on the first call), else 1; validates lr."""
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                               or not math.isfinite(lr) or lr <= 0):
+            raise ValueError(f"{self.name} error feedback: lr must be a finite number > 0, "
+                             f"got lr={lr!r}")
+        if self.kind != "corrected":
+            return 1.0
+        if lr is None:
+            raise ValueError(f"corrected error feedback ({self.spec_text}) needs the current "
+                             f"learning rate: pass lr > 0 to compress(), got lr=None")
+        return 1.0 if self.lr_prev is None else self.lr_prev / float(lr)
+
+    def _compress_dense(self, flat: torch.Tensor, body: torch.Tensor, h: Header,
+                        ratio: float) -> None:
+        """Vanilla/corrected EF; the residual is untouched if the input is rejected."""
+        e, p = self._e, self._spare
+        # 1. p = x + ratio * e   (ratio = lr_prev / lr_now for corrected EF, else 1)
+        torch.add(flat, e, alpha=ratio, out=p)
+        if self.nan_policy == "raise" and not self.inner.checks_finite:
+            self._check_finite(p, h.key)
+        hook = getattr(self.inner, "_encode_ef", None)
+        # 2.+3. fused: c = C(p) into body and e = p - D(c) in one pass, when the codec offers it
+        if hook is not None and hook(p, body, e, h.key, h.step):
+            return
+        # 2. c = C(p)
+        self.inner._encode(p, body, h.key, h.step)
+        # 3. e = p - D(c): subtract the decoding in place (sparse codecs touch only k entries),
+        #    then the buffer holding p - D(c) becomes the residual and the old residual the scratch
+        self.inner._decode_add(body, p, -1.0, h)
+        self._e, self._spare = p, e
+
+    def _compress_sparse(self, flat: torch.Tensor, body: torch.Tensor, h: Header) -> None:
+        """Sparse EF (randomk): only the selected positions are read (by the codec) and cleared."""
+        e = self._e
+        if self.nan_policy == "raise":
+            self._check_finite(flat, h.key)  # before e is touched, so a rejected x leaves e intact
+        # 1. e += x (full pass)
+        e.add_(flat)
+        # 2. send e[idx]: the codec gathers the values at its (seed, key, step) indices
+        self.inner._encode(e, body, h.key, h.step)
+        # 3. e[idx] = 0: the sent values are exact (fp32), so the sent mass leaves the residual
+        idx = self.inner.indices(h.key, h.step)
+        e.index_fill_(0, idx.to(e.device, non_blocking=True), 0.0)
+
+    def _ensure_buffers(self, device: torch.device) -> None:
+        if self._e is None:
+            self._e = self._scratch("ef_residual_a", device)
+            if self._loaded is not None:
+                self._e.copy_(self._loaded)
+                self._loaded = None
+            else:
+                self._e.zero_()
+            if self.kind != "sparse":
+                self._spare = self._scratch("ef_residual_b", device)
+        elif self._e.device != device:
+            raise ValueError(f"{self.name} error feedback: input on {device}, but the residual "
+                             f"lives on {self._e.device} (the device of the first input)")
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Residual (a CPU clone, or None before the first compress), lr_prev and inner state."""
+        r = self.residual
+        return {"kind": self.kind, "residual": None if r is None else r.detach().cpu().clone(),
+                "lr_prev": self.lr_prev, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; ValueError naming any mismatching key or shape."""
+        _check_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"})
+        if state["kind"] != self.kind:
+            raise ValueError(f"ErrorFeedback.load_state_dict: state is for kind "
+                             f"{state['kind']!r}, this codec has kind {self.kind!r}")
+        lr_prev = state["lr_prev"]
+        if lr_prev is not None and (not isinstance(lr_prev, (int, float)) or not lr_prev > 0):
+            raise ValueError(f"ErrorFeedback.load_state_dict: lr_prev must be None or > 0, "
+                             f"got {lr_prev!r}")
+        r = self._state_tensor(state, "residual")
+        self.inner.load_state_dict(state["inner"])
+        self.lr_prev = None if lr_prev is None else float(lr_prev)
+        self._loaded = None
+        if r is None:
+            if self._e is not None:
+                self._e.zero_()
+        elif self._e is not None:
+            self._e.copy_(r)
+        else:
+            self._loaded = r
