@@ -59,7 +59,8 @@ class Codec(abc.ABC):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         if nan_policy not in NAN_POLICIES:
-            raise ValueError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}, got {nan_policy!r}")
+            raise ValueError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}, "
+                             f"got {nan_policy!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.numel = numel
@@ -128,7 +129,7 @@ class Codec(abc.ABC):
 
     def decompress_add(self, payload: torch.Tensor, acc: torch.Tensor, *, alpha: float = 1.0,
                        key: int | None = None, step: int | None = None) -> Header:
-        """``acc += alpha * decompress(payload)`` without a dense temporary where the format allows."""
+        """``acc += alpha * decompress(payload)``, without a dense temporary where possible."""
         h = self.check_header(payload, key=key, step=step)
         self._check_out(acc, "acc")
         if self.numel:

@@ -61,7 +61,7 @@ def pack_header(buf: torch.Tensor, h: Header) -> None:
 
 
 def read_header(buf: torch.Tensor) -> Header:
-    """Parse the header of payload ``buf``; ValueError if it is too short or not a gradpress payload."""
+    """Parse the header of payload ``buf``; ValueError if too short or not a gradpress payload."""
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
         got = f"{type(buf).__name__}" if not isinstance(buf, torch.Tensor) else (
             f"tensor dtype={buf.dtype} dim={buf.dim()}")

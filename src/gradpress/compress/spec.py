@@ -31,7 +31,7 @@ class Param:
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """A parsed spec: codec name, its parameters (as given) and wrapper options (ef, momentum, mu)."""
+    """A parsed spec: codec name, parameters (as given), wrapper options (ef, momentum, mu)."""
 
     name: str
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -103,7 +103,7 @@ def _scalar(text: str) -> Any:
 
 
 def parse_spec(spec: str | Mapping[str, Any] | CodecSpec | None) -> CodecSpec:
-    """Parse a spec string or BytePS-style dict into a :class:`CodecSpec` (names not yet checked)."""
+    """Parse a spec string or BytePS-style dict into a :class:`CodecSpec` (names unchecked)."""
     if spec is None:
         return CodecSpec("none")
     if isinstance(spec, CodecSpec):
@@ -111,8 +111,8 @@ def parse_spec(spec: str | Mapping[str, Any] | CodecSpec | None) -> CodecSpec:
     if isinstance(spec, Mapping):
         return _parse_dict(spec)
     if not isinstance(spec, str):
-        raise TypeError(
-            f"compression spec must be a str like 'topk:k=0.001' or a dict, got {type(spec).__name__}")
+        raise TypeError("compression spec must be a str like 'topk:k=0.001' or a dict, "
+                        f"got {type(spec).__name__}")
     text = spec.strip()
     if not text:
         raise ValueError("compression spec is empty; expected e.g. 'onebit' or 'topk:k=0.001'")
@@ -122,7 +122,8 @@ def parse_spec(spec: str | Mapping[str, Any] | CodecSpec | None) -> CodecSpec:
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
-            raise ValueError(f"compression spec {spec!r}: item {item!r} is not of the form key=value")
+            raise ValueError(f"compression spec {spec!r}: item {item!r} is not of the form "
+                             "key=value")
         key = key.strip().lower()
         target = wrappers if key in WRAPPER_KEYS else params
         if key in target:
