@@ -1,0 +1,132 @@
+"""Hierarchical aggregation for several workers per node (``GRADPRESS_HIERARCHICAL=1``).
+
+As BytePS does within a machine (Jiang et al., OSDI 2020, section 4.2), per tensor:
+
+1. local reduce: the node's workers sum their tensors into the node leader (its first worker)
+   with a ``torch.distributed.reduce`` in the node's reduce subgroup;
+2. the leader alone runs the compressed push/pull of the sum through the servers (which divide
+   by the total number of workers when averaging), so each node sends one stream, not one per
+   worker;
+3. local broadcast: the leader broadcasts the result in the node's broadcast subgroup.
+
+A reduce thread issues the reduces (and the leader's pushes) in submission order and a
+broadcast thread issues the broadcasts in the same order, each on its own subgroup, so the
+collectives of one tensor overlap with those of the next and every worker of the node issues
+them in the same order. All workers of a node must call ``push_pull`` in the same order.
+Results are identical on all workers (the leader's bytes are broadcast); with ``none`` they
+equal the plain sum up to the summation order of the local reduce.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .cluster import Cluster
+from .config import PSConfig
+from .errors import GradpressError
+from .handle import Handle
+from .worker import WorkerEngine, flat_fp32
+
+__all__ = ["HierarchicalEngine"]
+
+
+class HierarchicalEngine:
+    """Front of a worker's ``push_pull`` when aggregation is hierarchical.
+
+    Args:
+        cluster: the joined job (with ``local_groups``).
+        cfg: runtime options.
+        engine: the worker pipeline; only the leader's talks to servers.
+    """
+
+    def __init__(self, cluster: Cluster, cfg: PSConfig, engine: WorkerEngine) -> None:
+        if cluster.local_groups is None:
+            raise GradpressError("hierarchical aggregation needs the node subgroups; connect "
+                                 "the cluster with hierarchical=True")
+        self.cluster = cluster
+        self.cfg = cfg
+        self.engine = engine
+        lay = cluster.layout
+        self.leader = lay.node_workers(lay.node_of_worker(cluster.rank))[0]
+        self.is_leader = cluster.rank == self.leader
+        self._reduce_group, self._bcast_group = cluster.local_groups
+        self._error: BaseException | None = None
+        self._reduce_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._bcast_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._reduce_q, self._reduce),
+                             name="gp-local-reduce", daemon=True),
+            threading.Thread(target=self._loop, args=(self._bcast_q, self._broadcast),
+                             name="gp-local-broadcast", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, tensor: torch.Tensor, name: str, **kwargs: Any) -> Handle:
+        """Start a hierarchical push_pull; ``kwargs`` as :meth:`WorkerEngine.submit`."""
+        if self._error is not None:
+            raise GradpressError(f"hierarchical aggregation failed earlier: {self._error}") \
+                from self._error
+        self.engine.check_call(name, kwargs.get("compression"), kwargs.get("ef"),
+                               kwargs.get("lr"))
+        flat = flat_fp32(tensor, name).clone()  # reduced in place
+        # the leader's engine counts its own calls; the others count theirs here
+        on_done = None if self.is_leader else self._count
+        handle = Handle(name, flat, tensor.shape, tensor.dtype, tensor.device, 1,
+                        on_done=on_done)
+        self._reduce_q.put((flat, name, kwargs, handle))
+        return handle
+
+    def close(self) -> None:
+        """Stop the threads after the queued tensors went through."""
+        for q in (self._reduce_q, self._bcast_q):
+            q.put(None)
+            self._threads[0 if q is self._reduce_q else 1].join(self.cfg.timeout)
+
+    def _loop(self, q: queue.SimpleQueue, fn: Callable[..., None]) -> None:
+        while (item := q.get()) is not None:
+            handle = item[-1]
+            if self._error is not None:
+                handle._set_error(self._error)
+                continue
+            try:
+                fn(*item)
+            except BaseException as e:  # noqa: BLE001 - the node's collectives are now unusable
+                self._error = e
+                handle._set_error(e)
+
+    def _count(self, handle: Handle) -> None:
+        if handle.error is None:
+            self.engine.account(steps=1, dense_fp32_bytes=4 * handle._out.numel())
+
+    def _collective(self, stage: str, name: str, fn: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            self.engine.account(**{f"{stage.replace(' ', '_')}_s": time.perf_counter() - t0})
+        except RuntimeError as e:
+            raise GradpressError(f"{stage} of {name!r} among the workers of node "
+                                 f"{self.cluster.layout.node_of_worker(self.cluster.rank)} "
+                                 f"(leader: {self.cluster.describe(self.leader)}) failed: "
+                                 f"{e}") from e
+
+    def _reduce(self, flat: torch.Tensor, name: str, kwargs: dict[str, Any],
+                handle: Handle) -> None:  # steps 1-2
+        self._collective("local reduce", name, lambda: dist.reduce(
+            flat, self.leader, op=dist.ReduceOp.SUM, group=self._reduce_group))
+        inner = self.engine.submit(flat, name, **kwargs) if self.is_leader else None
+        self._bcast_q.put((flat, name, inner, handle))
+
+    def _broadcast(self, flat: torch.Tensor, name: str, inner: Handle | None,
+                   handle: Handle) -> None:  # step 3
+        if inner is not None:
+            flat.copy_(inner.wait())
+        self._collective("local broadcast", name, lambda: dist.broadcast(
+            flat, self.leader, group=self._bcast_group))
+        handle._chunk_done()

@@ -1,0 +1,321 @@
+"""The server engine: per key, sum the workers' pushes, add the server residual, re-compress
+and send the same bytes to every worker (the two-way compression of BytePS-Compress, Zhong et
+al. 2021, section 3).
+
+Per key and step:
+
+1. A control thread per worker reads that worker's push announcements in order and posts the
+   payload receive into the key's buffer for that worker (the server never waits on a key a
+   worker has not pushed, whatever order the workers push keys in).
+2. When all workers announced the step, the key goes to the engine thread that owns it (keys
+   are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`).
+3. The engine thread waits for the payloads *in worker rank order* and decode-accumulates them
+   into ``acc`` (``acc = 0; acc += D(p_w)`` for w = 0..W-1), so results do not depend on arrival
+   order; with ``average`` it then divides: ``acc /= W``.
+4. It compresses ``acc`` with the key's server codec, which carries the server's error-feedback
+   residual (``ef`` of the key's spec; the learning rate pushed with the step is passed on for
+   corrected error feedback), into one of two reply buffers (step parity), after waiting for the
+   sends that used that buffer two steps ago: double buffering, so a step never overwrites
+   bytes still in flight.
+5. It sends the same reply bytes to every worker, so all replicas decode identical gradients.
+
+Run as ``python -m gradpress.ps.server`` by the launcher; colocated jobs run the engine as threads
+inside worker processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+from ..compress import build
+from .cluster import Cluster
+from .config import ClusterConfig, PSConfig
+from .errors import ConfigMismatchError, GradpressError
+from .partition import assign_balanced
+from .protocol import CTRL_BYTES, OP_STOP, KeyDescriptor, unpack_control
+from .trace import Tracer, trace_path
+from .transport import CTRL_TAG, Op, Transport
+
+__all__ = ["ServerEngine", "serve", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class _KeyState:
+    """Buffers, codecs and counters of one key on its server."""
+
+    def __init__(self, key: int, desc: KeyDescriptor, pushers: int, thread: int) -> None:
+        self.key = key
+        self.desc = desc
+        self.label = f"key {key} ({desc.label})"
+        self.dec = build(desc.spec, desc.numel, seed=desc.seed)
+        self.enc = build(desc.spec, desc.numel, ef=desc.ef, seed=desc.seed)
+        self.nbytes = self.dec.payload_bytes
+        self.thread = thread
+        self.recv = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(pushers)]
+        self.recv_ops: list[Op | None] = [None] * pushers
+        self.lrs: list[float | None] = [None] * pushers
+        self.next_step = [0] * pushers  # per worker: the step its next announcement must carry
+        self.arrived = 0
+        self.step = 0
+        self.reply = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.sends: list[list[Op]] = [[], []]
+        self.lock = threading.Lock()
+
+
+class ServerEngine:
+    """Server ``index`` of the job, running on threads of the current process.
+
+    Args:
+        cluster: the joined job.
+        cfg: engine options (timeouts, engine threads).
+        transport: point-to-point transport of this process.
+        index: which server this is.
+        tracer: records the stages of every key's step.
+        on_error: called once with the first error (colocated workers use it to fail fast).
+    """
+
+    def __init__(self, cluster: Cluster, cfg: PSConfig, transport: Transport, index: int, *,
+                 tracer: Tracer | None = None, on_error: object = None) -> None:
+        self.cluster = cluster
+        self.cfg = cfg
+        self.transport = transport
+        self.index = index
+        self.name = f"server {index}"
+        #: world ranks that push: all workers, or the node leaders when hierarchical
+        self.pushers = cluster.layout.pushers
+        self.tracer = tracer or Tracer(None, cluster.rank, self.name)
+        self._on_error = on_error
+        self._keys: dict[int, _KeyState] = {}
+        self._keys_lock = threading.Lock()
+        self._thread_loads = [0] * cfg.engine_threads
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue()
+                                                 for _ in range(cfg.engine_threads)]
+        # one accumulator per engine thread (a thread reduces one key at a time), grown to the
+        # largest key it owns: memory does not grow with the number of keys
+        self._accs = [torch.empty(0, dtype=torch.float32) for _ in range(cfg.engine_threads)]
+        self._error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._live_controls = len(self.pushers)
+        self._threads: list[threading.Thread] = []
+        self.stats = {"bytes_received": 0, "bytes_sent": 0, "steps": 0, "decode_s": 0.0,
+                      "compress_s": 0.0, "wait_s": 0.0}
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> ServerEngine:
+        """Start the control and engine threads (daemon threads; ``join`` ends them)."""
+        for i in range(self.cfg.engine_threads):
+            self._spawn(self._engine_loop, i, f"gp-{self.name}-engine{i}")
+        for w in range(len(self.pushers)):
+            self._spawn(self._control_loop, w, f"gp-{self.name}-ctrl{w}")
+        return self
+
+    def _spawn(self, fn: object, arg: int, name: str) -> None:
+        t = threading.Thread(target=self._guard, args=(fn, arg), name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until every worker sent stop and all replies left; re-raise the first error.
+
+        ``timeout`` bounds the wait for the workers' stop messages (None: no limit; a crashed
+        worker ends it anyway). Draining afterwards is bounded by ``cfg.timeout``.
+        """
+        if not self._stopped.wait(timeout):
+            raise GradpressError(f"{self.name}: workers did not stop within {timeout} s")
+        if self._error is None:
+            for q in self._queues:
+                q.put(None)
+        deadline = time.monotonic() + self.cfg.timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive() and self._error is None:
+                raise GradpressError(f"{self.name}: thread {t.name} did not finish within "
+                                     f"{self.cfg.timeout:g} s of the stop")
+        if self._error is not None:
+            raise self._error
+        for ks in list(self._keys.values()):
+            for op in ks.sends[0] + ks.sends[1]:
+                op.wait(self.cfg.timeout, "pull (final replies)")
+        self.tracer.write()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def _guard(self, fn: object, arg: int) -> None:
+        try:
+            fn(arg)  # type: ignore[operator]
+        except BaseException as e:  # noqa: BLE001 - recorded, reported and re-raised by join
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._keys_lock:
+            first = self._error is None
+            if first:
+                self._error = e
+        if not first:
+            return
+        log.error("%s failed: %s", self.name, e)
+        self.cluster.report_error(f"{self.name}: {e}")
+        for q in self._queues:
+            q.put(None)
+        self._stopped.set()
+        if callable(self._on_error):
+            self._on_error(e)
+
+    # -- step 1: per-worker control threads ----------------------------------------------------
+    def _control_loop(self, w: int) -> None:
+        rank = self.pushers[w]
+        buf = torch.empty(CTRL_BYTES, dtype=torch.uint8)
+        while self._error is None:
+            op = self.transport.irecv(buf, rank, CTRL_TAG, f"control messages of {self.name}",
+                                      "push")
+            op.wait(self.cfg.idle_timeout, "waiting for the next push")
+            msg = unpack_control(buf)
+            if msg.op == OP_STOP:
+                break
+            ks = self._key_state(msg.key)
+            self._check_push(ks, w, msg.step, msg.nbytes)
+            ks.recv_ops[w] = self.transport.irecv(ks.recv[w], rank, ks.key, ks.label, "push")
+            ks.lrs[w] = msg.lr
+            with ks.lock:
+                ks.next_step[w] += 1
+                ks.arrived += 1
+                ready = ks.arrived == len(self.pushers)
+                if ready:
+                    ks.arrived = 0
+            if ready:  # step 2: hand the key to its engine thread
+                self._queues[ks.thread].put(ks)
+        with self._keys_lock:
+            self._live_controls -= 1
+            if self._live_controls == 0:
+                self._stopped.set()
+
+    def _check_push(self, ks: _KeyState, w: int, step: int, nbytes: int) -> None:
+        who = self.cluster.describe(self.pushers[w])
+        if nbytes != ks.nbytes:
+            raise ConfigMismatchError(f"{self.name}: {who} pushes {nbytes} bytes for "
+                                      f"{ks.label}, expected {ks.nbytes} ({ks.desc.spec})")
+        if step != ks.next_step[w]:
+            raise ConfigMismatchError(f"{self.name}: {who} pushes {ks.label} at step {step}, "
+                                      f"expected step {ks.next_step[w]}")
+
+    def _key_state(self, key: int) -> _KeyState:
+        with self._keys_lock:
+            ks = self._keys.get(key)
+            if ks is not None:
+                return ks
+            raw = self.cluster.store.get(f"k/{key}")
+            desc = KeyDescriptor.from_json(raw)
+            if desc.server != self.index:
+                raise GradpressError(f"{self.name}: received key {key} ({desc.label}), which "
+                                     f"belongs to server {desc.server}")
+            nbytes = build(desc.spec, desc.numel, seed=desc.seed).payload_bytes
+            thread = assign_balanced({key: nbytes}, self._thread_loads)[key]
+            self._thread_loads[thread] += nbytes
+            ks = self._keys[key] = _KeyState(key, desc, len(self.pushers), thread)
+            return ks
+
+    # -- steps 3-5: engine threads -------------------------------------------------------------
+    def _engine_loop(self, i: int) -> None:
+        q = self._queues[i]
+        while True:
+            ks = q.get()
+            if ks is None or self._error is not None:
+                return
+            self._reduce(ks)
+
+    def _accumulator(self, thread: int, numel: int) -> torch.Tensor:
+        if self._accs[thread].numel() < numel:
+            self._accs[thread] = torch.empty(numel, dtype=torch.float32)
+        return self._accs[thread][:numel]
+
+    def _reduce(self, ks: _KeyState) -> None:
+        step, timeout = ks.step, self.cfg.timeout
+        t0 = time.perf_counter()
+        acc = self._accumulator(ks.thread, ks.desc.numel)
+        acc.zero_()
+        wait_s = 0.0
+        for w, rank in enumerate(self.pushers):  # step 3: rank order, not arrival order
+            tw = time.perf_counter()
+            ks.recv_ops[w].wait(timeout, "push")  # type: ignore[union-attr]
+            wait_s += time.perf_counter() - tw
+            ks.dec.check_header(ks.recv[w], key=ks.key, step=step,
+                                sender=self.cluster.describe(rank))
+            ks.dec.decompress_add(ks.recv[w], acc)
+        if ks.desc.average:  # by the number of workers, also when node leaders push sums
+            acc.div_(self.cluster.layout.num_workers)
+        t1 = time.perf_counter()
+        slot = step % 2
+        for op in ks.sends[slot]:  # step 4: the buffer of step-2 must have left
+            op.wait(timeout, "pull (reply of step - 2)")
+        ks.enc.compress(acc, key=ks.key, step=step, lr=self._step_lr(ks), out=ks.reply[slot])
+        t2 = time.perf_counter()
+        ks.step += 1
+        ks.sends[slot] = [self.transport.isend(ks.reply[slot], rank, ks.key, ks.label, "pull")
+                          for rank in self.pushers]  # step 5: same bytes to every worker
+        self._account(ks, t0, t1, t2, wait_s)
+
+    def _step_lr(self, ks: _KeyState) -> float | None:
+        lr = ks.lrs[0]
+        if ks.desc.ef == "corrected" and any(x != lr for x in ks.lrs):
+            raise ConfigMismatchError(f"{self.name}: workers pushed {ks.label} at step {ks.step} "
+                                      f"with different learning rates {ks.lrs}")
+        return lr
+
+    def _account(self, ks: _KeyState, t0: float, t1: float, t2: float, wait_s: float) -> None:
+        s = self.stats
+        with ks.lock:
+            s["bytes_received"] += ks.nbytes * len(self.pushers)
+            s["bytes_sent"] += ks.nbytes * len(self.pushers)
+            s["steps"] += 1
+            s["wait_s"] += wait_s
+            s["decode_s"] += t1 - t0 - wait_s
+            s["compress_s"] += t2 - t1
+        if self.tracer.enabled:
+            self.tracer.add("server.recv+decode_add", t0, t1, key=ks.key, step=ks.step - 1,
+                            name=ks.desc.name, chunk=ks.desc.chunk)
+            self.tracer.add("server.compress", t1, t2, key=ks.key, step=ks.step - 1)
+
+
+def serve(ccfg: ClusterConfig, cfg: PSConfig) -> None:
+    """Join the job as a server process and serve until every worker sent stop."""
+    cluster = Cluster.connect(ccfg, cfg.timeout, cfg.hierarchical)
+    servers = cluster.my_servers
+    if len(servers) != 1:
+        raise GradpressError(f"rank {ccfg.rank} is not a server process in this layout "
+                             f"({cluster.describe(ccfg.rank)})")
+    index = servers[0]
+    tracer = Tracer(trace_path(cfg.trace, "server", index, ccfg.rank) if cfg.trace else None,
+                    ccfg.rank, f"server {index}")
+    transport = Transport(ccfg.rank, cluster.describe, cluster.reported_errors)
+    ServerEngine(cluster, cfg, transport, index, tracer=tracer).start().join()
+    # only after a clean stop: with a failed peer, tearing gloo down could block
+    cluster.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m gradpress.ps.server`` (configured by the environment)."""
+    logging.basicConfig(level=os.environ.get("GRADPRESS_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    ccfg = ClusterConfig.from_env(role="server")
+    try:
+        serve(ccfg, PSConfig.from_env())
+    except Exception as e:  # noqa: BLE001 - reported, then a non-zero exit for the launcher
+        print(f"gradpress server (rank {ccfg.rank}) failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # engine threads may still block in gloo; do not wait for them
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

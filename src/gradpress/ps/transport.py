@@ -1,0 +1,148 @@
+"""Point-to-point transport: gloo ``isend``/``irecv`` with timeouts and descriptive errors.
+
+Payloads are uint8 CPU tensors sent with the chunk's key as the gloo tag; gloo matches messages
+per (peer, tag) in order. Gloo cannot send to its own rank, so messages between a colocated
+worker and the server engine in the same process go through an in-process mailbox with the same
+semantics. Within a process a tag is used in two directions (a colocated worker receives the
+reply of key K while its server receives the pushes of key K), so every message names its
+``lane``: ``"push"`` (worker to server) or ``"pull"`` (server to worker); gloo needs no lanes
+because a key's pushes and replies between two processes never share a direction. A gloo wait
+that times out closes the link to that peer (gloo's behaviour): timeouts
+are fatal and raise :class:`~gradpress.ps.errors.CommTimeoutError` naming key, peer and stage.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommTimeoutError, PeerError
+
+__all__ = ["Op", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES"]
+
+#: Directions of messages: worker -> server ("push") and server -> worker ("pull").
+LANES = ("push", "pull")
+
+#: Tag of the fixed-size control messages (push announcements, stop).
+CTRL_TAG = 1
+#: Timeout value meaning "wait without limit" (used for a server's idle waits).
+NO_LIMIT = 0.0
+_FOREVER = datetime.timedelta(days=3650)
+
+
+class Op:
+    """A posted send or receive; :meth:`wait` blocks until it completed."""
+
+    def __init__(self, work: object, kind: str, peer: str, label: str,
+                 context: Callable[[], str]) -> None:
+        self._work = work
+        self.kind = kind
+        self.peer = peer
+        self.label = label
+        self._context = context
+        self._done = False
+
+    def wait(self, timeout: float, stage: str) -> None:
+        """Wait up to ``timeout`` seconds (``NO_LIMIT``: forever); raise naming key/peer/stage."""
+        if self._done:
+            return
+        limit = _FOREVER if timeout <= 0 else datetime.timedelta(seconds=timeout)
+        try:
+            self._work.wait(limit)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - gloo reports everything as RuntimeError
+            raise self._error(e, timeout, stage) from e
+        self._done = True
+
+    def _error(self, e: Exception, timeout: float, stage: str) -> Exception:
+        text = str(e)
+        where = f"{self.kind} of {self.label} {'to' if self.kind == 'send' else 'from'} " \
+                f"{self.peer} (stage: {stage})"
+        cause = self._context()
+        extra = f"; errors reported by other processes:\n{cause}" if cause else ""
+        if "Timed out" in text or isinstance(e, TimeoutError):
+            return CommTimeoutError(f"timed out after {timeout:g} s waiting for {where}; raise "
+                                    f"GRADPRESS_TIMEOUT if the peer is just slow{extra}",
+                                    key=self.label, peer=self.peer, stage=stage)
+        return PeerError(f"{where} failed: {text.splitlines()[0] if text else e!r}{extra}",
+                         key=self.label, peer=self.peer, stage=stage)
+
+
+class _LocalWork:
+    """Completion flag of a message through the in-process mailbox."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.event = threading.Event()
+
+    def wait(self, limit: datetime.timedelta) -> None:
+        if not self.event.wait(limit.total_seconds()):
+            raise TimeoutError("Timed out waiting for an in-process message")
+
+
+class _Mailbox:
+    """Matches sends and receives a process addresses to itself, per tag, in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sends: dict[tuple[int, str], deque[_LocalWork]] = {}
+        self._recvs: dict[tuple[int, str], deque[_LocalWork]] = {}
+
+    def post(self, buf: torch.Tensor, tag: tuple[int, str], is_send: bool) -> _LocalWork:
+        work = _LocalWork(buf)
+        mine, theirs = (self._sends, self._recvs) if is_send else (self._recvs, self._sends)
+        with self._lock:
+            q = theirs.get(tag)
+            if not q:
+                mine.setdefault(tag, deque()).append(work)
+                return work
+            other = q.popleft()
+            src, dst = (work, other) if is_send else (other, work)
+            if src.buf.numel() != dst.buf.numel():
+                raise PeerError(f"in-process message with tag {tag}: {src.buf.numel()} bytes "
+                                f"sent, receive buffer holds {dst.buf.numel()}")
+            dst.buf.copy_(src.buf)
+        other.event.set()
+        work.event.set()
+        return work
+
+
+class Transport:
+    """Sends and receives of one process over the world group (thread-safe)."""
+
+    def __init__(self, rank: int, describe: Callable[[int], str],
+                 context: Callable[[], str] = lambda: "") -> None:
+        self.rank = rank
+        self._describe = describe
+        self._context = context
+        self._mailbox = _Mailbox()
+        self._lock = threading.Lock()
+
+    def isend(self, buf: torch.Tensor, dst: int, tag: int, label: str, lane: str) -> Op:
+        """Post a send of uint8 ``buf`` to world rank ``dst``; keep ``buf`` alive until waited."""
+        return self._post(buf, dst, tag, label, lane, is_send=True)
+
+    def irecv(self, buf: torch.Tensor, src: int, tag: int, label: str, lane: str) -> Op:
+        """Post a receive into ``buf`` from world rank ``src`` (sizes must match the send)."""
+        return self._post(buf, src, tag, label, lane, is_send=False)
+
+    def _post(self, buf: torch.Tensor, peer: int, tag: int, label: str, lane: str,
+              is_send: bool) -> Op:
+        kind = "send" if is_send else "receive"
+        if lane not in LANES:
+            raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
+        if peer == self.rank:
+            work: object = self._mailbox.post(buf, (tag, lane), is_send)
+        else:
+            with self._lock:
+                try:
+                    work = (dist.isend if is_send else dist.irecv)(buf, peer, tag=tag)
+                except RuntimeError as e:
+                    raise PeerError(f"posting {kind} of {label} with "
+                                    f"{self._describe(peer)} failed: {e}", key=label,
+                                    peer=self._describe(peer), stage="post") from e
+        return Op(work, kind, self._describe(peer), label, self._context)

@@ -1,0 +1,234 @@
+"""push_pull end to end: real processes on loopback, started by ``gradpress launch``.
+
+References (computed inside each worker, for every worker's input, in rank order):
+
+* ``none``: ``sum(x_w for w in range(W)) / W`` in float32 (Python ``sum`` starts at 0, as the
+  server's accumulator does), compared bit for bit; ``average=False`` drops the division.
+* ``onebit`` with error feedback on workers and server, per chunk ``c`` (key
+  ``chunk_key(name, c)``) and step ``t``, with codecs built by ``gradpress.compress.build``:
+  ``p_w = enc_w.compress(x_w[c], key, t, lr)``; ``acc = 0; dec.decompress_add(p_w, acc)`` for w
+  in rank order; ``acc /= W``; ``reply = enc_server.compress(acc, key, t, lr)``;
+  ``dec.decompress(reply)``. Every worker's result must equal it bit for bit, and the replicas
+  must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = textwrap.dedent('''
+    import os, sys, threading
+    import torch
+    import gradpress as gp
+    from gradpress.compress import build
+    from gradpress.ps.partition import chunk_key, chunk_layout
+
+    out_dir, modes = sys.argv[1], sys.argv[2].split(",")
+    PART = int(os.environ["GRADPRESS_PARTITION_BYTES"])
+    SHAPES = [(0,), (), (1,), (7,), (3, 5), (2, 3, 4), (999,), (1000,), (2503,), (33, 61)]
+    gp.init()
+    r, W = gp.rank(), gp.size()
+    assert W == int(os.environ["GRADPRESS_NUM_WORKERS"])
+
+    def make(rank, i, step, shape, dtype=torch.float32):
+        g = torch.Generator().manual_seed(10007 * step + 101 * i + rank)
+        return torch.randn(shape, generator=g).to(dtype)
+
+    def bits(t):
+        return t.reshape(-1).to(torch.float32).view(torch.int32)
+
+    results = {}
+
+    def check_none(step):
+        cases = [(f"t{i}", s, torch.float32, True) for i, s in enumerate(SHAPES)]
+        cases += [("sum", (2503,), torch.float32, False), ("f64", (17,), torch.float64, True)]
+        hs = [gp.push_pull_async(make(r, i, step, s, dt), name, average=avg)
+              for i, (name, s, dt, avg) in enumerate(cases)]
+        for i, (h, (name, s, dt, avg)) in enumerate(zip(hs, cases)):
+            y = h.wait()
+            ref = sum(make(w, i, step, s, dt).to(torch.float32) for w in range(W))
+            ref = (ref / W if avg else ref).to(dt)
+            assert y.shape == ref.shape and y.dtype == dt, (name, y.shape, y.dtype)
+            assert torch.equal(bits(y), bits(ref)), (name, step, (y - ref).abs().max())
+            results[f"none/{name}/{step}"] = y
+
+    ONEBIT = [("ob_a", (2503,), "vanilla", None), ("ob_b", (3, 100), "vanilla", None),
+              ("ob_c", (1200,), "corrected", 0.1)]
+    sim = {}
+
+    def reference_onebit(name, shape, ef, lr, i, step):
+        numel = int(torch.Size(shape).numel())
+        out = torch.empty(numel)
+        for c in chunk_layout(numel, PART):
+            key = chunk_key(name, c.index)
+            if (name, c.index) not in sim:
+                sim[(name, c.index)] = ([build("onebit", c.numel, ef=ef) for _ in range(W)],
+                                        build("onebit", c.numel, ef=ef), build("onebit", c.numel))
+            encs, server, dec = sim[(name, c.index)]
+            acc = torch.zeros(c.numel)
+            for w in range(W):
+                x = make(w, i, step, shape).reshape(-1)[c.offset:c.offset + c.numel]
+                dec.decompress_add(encs[w].compress(x, key=key, step=step, lr=lr), acc)
+            acc /= W
+            reply = server.compress(acc, key=key, step=step, lr=lr)
+            out[c.offset:c.offset + c.numel] = dec.decompress(reply)
+        return out.view(shape)
+
+    def check_onebit(step):
+        for i, (name, shape, ef, lr) in enumerate(ONEBIT):
+            lr = None if lr is None else lr * (step + 1)
+            y = gp.push_pull(make(r, i, step, shape), name, compression="onebit", ef=ef, lr=lr,
+                             min_compress_bytes=0)
+            ref = reference_onebit(name, shape, ef, lr, i, step)
+            assert torch.equal(bits(y), bits(ref)), (name, step, (y - ref).abs().max())
+            results[f"onebit/{name}/{step}"] = y
+
+    for bad, exc in ((torch.arange(3), TypeError), ([1.0], TypeError)):
+        try:
+            gp.push_pull(bad, "bad")
+            raise AssertionError(f"push_pull accepted {bad!r}")
+        except exc as e:
+            assert "'bad'" in str(e), e
+    try:
+        gp.push_pull(torch.ones(2), "")
+        raise AssertionError("push_pull accepted an empty name")
+    except ValueError as e:
+        assert "name" in str(e), e
+
+    for step in range(2):
+        if "none" in modes:
+            check_none(step)
+        if "onebit" in modes:
+            check_onebit(step)
+    st = gp.stats()
+    assert st["dense_fp32_bytes"] > 0 and st["steps"] > 0, st
+    pushes = os.environ.get("GRADPRESS_HIERARCHICAL") != "1" or r == 0  # node leader pushes
+    assert (st["bytes_pushed"] > 0) == pushes, st
+    torch.save(results, os.path.join(out_dir, f"worker{r}.pt"))
+    gp.shutdown()
+    assert not gp.is_initialized()
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    assert not left, f"threads left after shutdown: {left}"
+''')
+
+ERRORS = textwrap.dedent('''
+    import os, sys, time
+    import torch
+    import gradpress as gp
+
+    out_dir = sys.argv[1]
+    gp.init()
+    r = gp.rank()
+    if r == 1:
+        time.sleep(0.5)  # worker 0 declares "m" first; worker 1 then disagrees
+    try:
+        gp.push_pull(torch.ones(10), "m", compression="none" if r == 0 else "fp16",
+                     min_compress_bytes=0)
+        msg = "no error"
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+    open(os.path.join(out_dir, f"error{r}.txt.tmp"), "w").write(msg)
+    os.rename(os.path.join(out_dir, f"error{r}.txt.tmp"), os.path.join(out_dir, f"error{r}.txt"))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out_dir, "error0.txt")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # worker 1 stays until worker 0 timed out
+    os._exit(0)  # the job is broken on purpose: leave without the stop protocol
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], script: Path, out: Path, modes: str,
+            **env_vars: str) -> subprocess.Popen:
+    env = dict(os.environ, GRADPRESS_PARTITION_BYTES="4000", GRADPRESS_TIMEOUT="60",
+               GRADPRESS_COMPRESS_THREADS="2", GRADPRESS_ENGINE_THREADS="2",
+               OMP_NUM_THREADS="1")
+    env.update(env_vars)
+    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--timeout", "60", *args, "--",
+           sys.executable, str(script), str(out), modes]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _finish(procs: list[subprocess.Popen]) -> None:
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=150)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0])
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, f"launcher exited {p.returncode}:\n{log}"
+
+
+def _check_replicas(out: Path, workers: int) -> None:
+    res = [torch.load(out / f"worker{w}.pt") for w in range(workers)]
+    assert res[0], "workers saved no results"
+    for other in res[1:]:
+        assert other.keys() == res[0].keys()
+        for k in res[0]:
+            assert torch.equal(other[k], res[0][k]), f"replicas differ on {k}"
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def test_two_workers_one_server_none_and_onebit(tmp_path: Path, script: Path) -> None:
+    trace = tmp_path / "trace" / "t.json"
+    _finish([_launch(["--workers", "2", "--servers", "1"], script, tmp_path, "none,onebit",
+                     GRADPRESS_TRACE=str(trace))])
+    _check_replicas(tmp_path, 2)
+    for name in ("t.worker0.json", "t.worker1.json", "t.server0.json"):
+        events = json.loads((trace.parent / name).read_text())["traceEvents"]
+        stages = {e["name"] for e in events if e["ph"] == "X"}
+        assert stages & {"compress", "server.compress"}, (name, stages)
+
+
+def test_two_nodes_two_servers_through_multi_node_flags(tmp_path: Path, script: Path) -> None:
+    port = str(_free_port())
+    procs = [_launch(["--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1",
+                      "--master-port", port, "--workers-per-node", "1",
+                      "--servers-per-node", "1"], script, tmp_path, "none")
+             for n in range(2)]
+    _finish(procs)
+    _check_replicas(tmp_path, 2)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_colocated(tmp_path: Path, script: Path, hierarchical: bool) -> None:
+    # hierarchical, W=2: the leader pushes x0 + x1 (exact in either order), so `none` is still
+    # bit-exact; the onebit reference above models flat aggregation only
+    args = ["--workers", "2", "--colocate"] + (["--hierarchical"] if hierarchical else [])
+    _finish([_launch(args, script, tmp_path, "none" if hierarchical else "none,onebit")])
+    _check_replicas(tmp_path, 2)
+
+
+def test_spec_mismatch_and_timeout_errors_name_key_peer_and_stage(tmp_path: Path) -> None:
+    script = tmp_path / "errors.py"
+    script.write_text(ERRORS)
+    _finish([_launch(["--workers", "2", "--colocate"], script, tmp_path, "",
+                     GRADPRESS_TIMEOUT="2")])
+    first, second = ((tmp_path / f"error{r}.txt").read_text() for r in range(2))
+    assert first.startswith("CommTimeoutError") and "'m' chunk 0" in first, first
+    assert "timed out after 2 s" in first, first
+    assert "stage: pull" in first and "server" in first and "(rank " in first, first
+    assert second.startswith("ConfigMismatchError") and "'m'" in second, second
+    assert "fp16" in second and "none" in second, second
