@@ -89,10 +89,29 @@ def _run_launch(args: argparse.Namespace) -> int:
     return launch(cfg)
 
 
+# -- simulate -------------------------------------------------------------------------------
+def _add_simulate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .sim.cli import add_arguments
+
+    p = sub.add_parser(
+        "simulate", help="predict iteration time at paper scale (pipeline model)",
+        description="Predict one training iteration of BytePS-Compress for ResNet50, VGG16 or "
+                    "BERT-base on a GPU cluster, with and without compression.")
+    add_arguments(p)
+    return p
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from .sim.cli import run
+
+    return run(args)
+
+
 #: name -> (add arguments, run); ``main`` dispatches on the name.
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                              Callable[[argparse.Namespace], int]]] = {
     "launch": (_add_launch, _run_launch),
+    "simulate": (_add_simulate, _run_simulate),
 }
 
 
