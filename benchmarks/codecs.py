@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/codecs.py [--mb 64] [--only NAMES] [--reps 5] [--scaling SPEC]
+                                [--ef-mb 4,64]
 
 For each codec spec: compress and decompress GB/s (input float32 bytes / best time) on one
 ``--mb`` MB float32 buffer with ``out=`` buffers (the codec allocates nothing); the ratio to a
@@ -12,7 +13,14 @@ top-k recall against the exact top-k; and PASS/FAIL against the targets (compres
 must each reach the target fraction of the copy). A last line measures two-thread scaling: two
 threads compressing disjoint halves vs one thread compressing both halves in turn (target 1.6x),
 with a compute-bound control that marks the verdict inconclusive when no second core is free.
-Codecs not registered yet, or with parameters not known yet, are skipped with a note.
+
+Error-feedback rows (``--ef-mb``, one block per buffer size; empty to skip): compress GB/s of the
+vanilla error-feedback wrapper three ways, timed interleaved round by round with the copy (each
+call after an untimed one, data warm) so load from other processes hits all alike: ``fused``
+(the codec's ``_encode_ef_fused`` hook: ``p = g + e`` computed inside the codec's passes),
+``p+hook`` (``p`` stored, then the one-pass ``_encode_ef``) and ``unfused`` (``p`` stored,
+encode, decode-add); the ratios to the copy, the fused speed-up over unfused, and PASS/FAIL of
+the fused path against ``EF_TARGETS``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ SPECS = ("none", "fp16", "bf16", "onebit", "topk:k=0.001", "topk:k=0.001,values=
 TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "randomk": 0.5, "dithering": 0.25,
            "topk": 0.25}
 RECALL_TARGET = 0.95
+EF_SPECS = ("onebit", "fp16", "bf16", "topk:k=0.001", "topk:k=0.001,values=fp16", "dithering:s=7",
+            "dithering:s=7,partition=natural")
+#: fraction of the copy speed the fused error-feedback compress must reach
+EF_TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "topk": 0.25}
 SCALING_TARGET = 1.6
 
 
@@ -194,6 +206,83 @@ def verdict(row: dict) -> str:
     return f"{'PASS' if ok else 'FAIL'} (>= {target}x)"
 
 
+def best_times(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Best wall time of each of ``fns``, interleaved: every round calls each function twice in
+    turn and times the second call (its data warm in cache, as in :func:`best_time`)."""
+    best = [math.inf] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def _ef_variant(spec: str, numel: int, path: str):
+    """A vanilla error-feedback codec that runs the ``fused``, ``p+hook`` or ``unfused`` path."""
+    codec = build(spec, numel, ef="vanilla")
+    if path != "fused":
+        codec.inner._encode_ef_fused = None  # instance attributes hide the hooks
+    if path == "unfused":
+        codec.inner._encode_ef = None
+    return codec
+
+
+def bench_ef(spec: str, x: torch.Tensor, dst: np.ndarray, reps: int) -> dict | str:
+    """Compress GB/s of vanilla error feedback around ``spec``: fused, p+hook, unfused, copy."""
+    name = spec.partition(":")[0]
+    if name not in codec_names():
+        return "not registered yet"
+    paths = ("fused", "p+hook", "unfused")
+    codecs = [_ef_variant(spec, x.numel(), p) for p in paths]
+    outs = [torch.empty(c.payload_bytes, dtype=torch.uint8) for c in codecs]
+    src = x.numpy()
+    fns = [lambda: np.copyto(dst, src)]
+    fns += [lambda c=c, o=o: c.compress(x, key=1, step=1, out=o) for c, o in zip(codecs, outs)]
+    times = best_times(fns, reps)
+    gbps = [x.numel() * 4 / t / 1e9 for t in times]
+    return {"spec": spec, "copy": gbps[0], **dict(zip(paths, gbps[1:]))}
+
+
+def ef_verdict(row: dict) -> str:
+    target = EF_TARGETS.get(row["spec"].partition(":")[0])
+    if target is None:
+        return "-"
+    return f"{'PASS' if row['fused'] >= target * row['copy'] else 'FAIL'} (>= {target}x)"
+
+
+EF_HEAD = (f"{'vanilla EF, spec':<33}{'fused':>8}{'p+hook':>8}{'unfused':>8}{'copy':>7}"
+           f"{'f/cp':>7}{'u/cp':>7}{'f/u':>7}  target")
+
+
+def fmt_ef(row: dict) -> str:
+    cp = row["copy"]
+    return (f"{row['spec']:<33}{row['fused']:>8.2f}{row['p+hook']:>8.2f}{row['unfused']:>8.2f}"
+            f"{cp:>7.2f}{row['fused'] / cp:>7.2f}{row['unfused'] / cp:>7.2f}"
+            f"{row['fused'] / row['unfused']:>7.2f}  {ef_verdict(row)}")
+
+
+def ef_rows(sizes_mb: list[float], only: set[str], reps: int) -> int:
+    """Print the error-feedback block for each buffer size; returns the number of FAILs."""
+    fails = 0
+    specs = [s for s in EF_SPECS if not only or s in only or s.partition(":")[0] in only]
+    for mb in sizes_mb:
+        numel = int(mb * 2**20) // 4
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+        dst = np.empty(numel, dtype=np.float32)
+        print(f"\nerror feedback (vanilla) on {mb:g} MB, compress GB/s, interleaved best of "
+              f"{reps}\n{EF_HEAD}")
+        for spec in specs:
+            row = bench_ef(spec, x, dst, reps)
+            if isinstance(row, str):
+                print(f"{spec:<33}skipped: {row}")
+                continue
+            print(fmt_ef(row), flush=True)
+            fails += ef_verdict(row).startswith("FAIL")
+    return fails
+
+
 def two_thread_ratio(job: Callable[[int], object], reps: int) -> tuple[float, float, float]:
     """(one-thread time for jobs 0 and 1 in turn, two-thread time, ratio) of ``job``."""
     with ThreadPoolExecutor(2) as pool:
@@ -251,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions, best one counts")
     ap.add_argument("--scaling", default="onebit",
                     help="spec for the two-thread line (falls back to the first registered)")
+    ap.add_argument("--ef-mb", default="4,64",
+                    help="buffer sizes (MB, comma-separated) of the error-feedback rows; '' skips")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     numba.set_num_threads(1)  # in case a kernel uses prange
@@ -276,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
          if s.partition(":")[0] in registered)
     line = scaling(scal, x, max(args.reps, 5))
     print(line)
+    ef_sizes = [float(v) for v in args.ef_mb.split(",") if v.strip()]
+    fails += ef_rows(ef_sizes, only, max(args.reps, 5) * 4)
     return 1 if fails or "FAIL" in line else 0
 
 

@@ -105,6 +105,13 @@ WORKER = textwrap.dedent('''
     res["amp_skipped"] = torch.tensor(skipped)
     res["amp_scale"] = torch.tensor(scaler.get_scale())
     res["amp"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # 7. warmup_steps: uncompressed for the first N steps (exact), compressed after them
+    m, _ = train("wu4", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
+                 warmup_steps=4)
+    res["warmup_all"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    m, _ = train("wu2", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
+                 warmup_steps=2)
+    res["warmup_half"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
 ''')
@@ -144,3 +151,5 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
     assert float(w0["amp_scale"]) < 2.0 ** 8  # the scaler saw the overflow and backed off
+    assert torch.equal(w0["warmup_all"], w0["none"])  # 4 warm-up steps of 4: exact
+    assert not torch.equal(w0["warmup_half"], w0["none"])  # compressed from step 2

@@ -32,6 +32,10 @@ _LAZY = {
     "Handle": "gradpress.api",
     "stats": "gradpress.api",
     "barrier": "gradpress.api",
+    "worker_state_dict": "gradpress.api",
+    "load_worker_state_dict": "gradpress.api",
+    "save_server_state": "gradpress.api",
+    "load_server_state": "gradpress.api",
     "DistributedOptimizer": "gradpress.torch.optimizer",
     "broadcast_parameters": "gradpress.torch.broadcast",
     "broadcast_optimizer_state": "gradpress.torch.broadcast",
@@ -42,6 +46,8 @@ __all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "checkpoint":  # the submodule gradpress.checkpoint, imported on first use
+        return importlib.import_module("gradpress.checkpoint")
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'gradpress' has no attribute {name!r}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -31,11 +32,13 @@ from .ps.hierarchy import HierarchicalEngine
 from .ps.server import ServerEngine, serve
 from .ps.trace import Tracer, trace_path
 from .ps.transport import Transport
+from .ps.watchdog import Watchdog
 from .ps.worker import WorkerEngine
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "is_initialized",
            "push_pull", "push_pull_async", "Handle", "stats", "barrier", "worker_group",
-           "config"]
+           "config", "worker_state_dict", "load_worker_state_dict", "save_server_state",
+           "load_server_state"]
 
 log = logging.getLogger(__name__)
 Compression = str | Mapping[str, Any] | CodecSpec | None
@@ -60,6 +63,10 @@ class _Runtime:
         if hosted:  # colocated: this worker also runs a server engine on threads
             self.server = ServerEngine(self.cluster, cfg, self.transport, hosted[0],
                                        tracer=self.tracer, on_error=self.worker.fail).start()
+        # a failure anywhere fails this engine; exit forced after `timeout` (reliability.md)
+        self.watchdog = Watchdog(self.cluster, interval=cfg.watchdog_interval,
+                                 exit_within=cfg.timeout, on_failure=self.worker.fail,
+                                 local_error=lambda: self.worker.error).start()
 
     def submit(self, tensor: torch.Tensor, name: str, **kwargs: Any) -> Handle:
         if self.front is not None:
@@ -76,6 +83,7 @@ class _Runtime:
             idle = self.cfg.idle_timeout or None
             self.server.join(idle)  # serves the other workers until they all stopped
         self.tracer.write()
+        self.watchdog.stop()
         if self.worker.error is None:
             self.cluster.close()
 
@@ -228,3 +236,41 @@ def stats() -> dict[str, float]:
 def barrier() -> None:
     """Block until every worker reached the barrier (bounded by ``GRADPRESS_TIMEOUT``)."""
     dist.barrier(group=worker_group())
+
+
+# -- checkpoints (docs/checkpoints.md) ----------------------------------------------------------
+def worker_state_dict(names: set[str] | None = None) -> dict[str, Any]:
+    """This worker's codec state per tensor name and chunk: error-feedback residuals, momentum
+    buffers and step counters (CPU copies; ``names`` restricts the tensors). No push_pull may
+    be in flight (call the optimizer's ``step()`` first)."""
+    return _rt().worker.state_dict(names)
+
+
+def load_worker_state_dict(state: Mapping[str, Any]) -> None:
+    """Restore :func:`worker_state_dict` output (of the same rank). Tensors not pushed yet get
+    their state at their first push_pull, which raises ValueError naming the tensor if its size,
+    codec or chunking differ from the saved ones."""
+    _rt().worker.load_state_dict(dict(state))
+
+
+def save_server_state(directory: str) -> None:
+    """Every server writes its residuals and step counters to ``directory/server<i>.pt``.
+
+    Collective over the workers (same ``directory`` everywhere), with no push_pull in flight;
+    returns when every server acknowledged (bounded by ``GRADPRESS_TIMEOUT``; an error names
+    the server). The directory must be reachable under this path by the servers.
+    """
+    _rt().worker.server_state("save", _abs_dir(directory))
+
+
+def load_server_state(directory: str) -> None:
+    """Every server reads the ``server*.pt`` files of ``directory`` (written by
+    :func:`save_server_state`) and restores its keys; keys not pushed yet get their state at
+    their first push. Collective over the workers, like :func:`save_server_state`."""
+    _rt().worker.server_state("load", _abs_dir(directory))
+
+
+def _abs_dir(directory: str) -> str:
+    if not isinstance(directory, str | os.PathLike) or not str(directory):
+        raise TypeError(f"directory must be a non-empty path, got {directory!r}")
+    return os.path.abspath(os.fspath(directory))

@@ -8,6 +8,8 @@ writing both functions and adding one entry.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -45,8 +47,32 @@ def _add_launch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL when stopping (default 5)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the store, servers and other nodes (default 300)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="resume from the checkpoint in DIR: sets GRADPRESS_RESUME=DIR for every "
+                        "process; servers load their state from it at start, the training "
+                        "script calls gradpress.checkpoint.load (docs/checkpoints.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ... run by each worker")
     return p
+
+
+def _resume_env(directory: str | None, workers: int, servers: int) -> dict[str, str]:
+    """``GRADPRESS_RESUME`` for ``--resume DIR`` after checking DIR's world sizes."""
+    if directory is None:
+        return {}
+    path = os.path.abspath(directory)
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {directory}: cannot read {meta_path} ({e}); is it a "
+                         f"complete gradpress checkpoint?") from None
+    saved = (meta.get("num_workers"), meta.get("num_servers"))
+    if saved != (workers, servers):
+        raise ValueError(f"--resume {directory}: the checkpoint was saved by a job with "
+                         f"{saved[0]} workers and {saved[1]} servers, this launch has {workers} "
+                         f"workers and {servers} servers")
+    return {"GRADPRESS_RESUME": path}
 
 
 def _per_node(total: int | None, per_node: int | None, nnodes: int, what: str,
@@ -85,7 +111,8 @@ def _run_launch(args: argparse.Namespace) -> int:
                        colocate=args.colocate, nnodes=args.nnodes, node_rank=args.node_rank,
                        master_addr=args.master_addr, master_port=args.master_port,
                        grace_s=args.grace, timeout=args.timeout,
-                       env={"GRADPRESS_HIERARCHICAL": "1"} if args.hierarchical else {})
+                       env={**({"GRADPRESS_HIERARCHICAL": "1"} if args.hierarchical else {}),
+                            **_resume_env(args.resume, wpn * args.nnodes, spn * args.nnodes)})
     return launch(cfg)
 
 
@@ -107,11 +134,50 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# -- train, demo ----------------------------------------------------------------------------
+def _add_train(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .train.cli import add_train_arguments
+
+    p = sub.add_parser(
+        "train", help="train a bundled task (or your script) on a local cluster",
+        description="Start a local cluster, train with compressed communication, and write "
+                    "metrics.jsonl, report.json and plots to the run directory (docs/train.md).",
+        epilog="examples:\n  gradpress train --task digits-cnn --compression onebit "
+               "--optimizer clan --lr 0.004\n  gradpress train --compression onebit --lr 0.004 "
+               "--steps 500 -- python my_train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_train_arguments(p)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .train.cli import run_train
+
+    return run_train(args)
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from .train.cli import add_demo_arguments
+
+    p = sub.add_parser(
+        "demo", help="digits CNN uncompressed, CLAN onebit, CLAN topk 0.1%% side by side",
+        description="Train digits-cnn uncompressed, with CLAN onebit and with CLAN topk 0.1% "
+                    "fp16 in one local cluster; print a table and write plots (docs/train.md).")
+    return add_demo_arguments(p)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .train.cli import run_demo
+
+    return run_demo(args)
+
+
 #: name -> (add arguments, run); ``main`` dispatches on the name.
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                              Callable[[argparse.Namespace], int]]] = {
     "launch": (_add_launch, _run_launch),
     "simulate": (_add_simulate, _run_simulate),
+    "train": (_add_train, _run_train),
+    "demo": (_add_demo, _run_demo),
 }
 
 

@@ -9,7 +9,8 @@
    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) plus ``GRADPRESS_ROLE``,
    ``GRADPRESS_NUM_WORKERS``, ``GRADPRESS_NUM_SERVERS``, ``GRADPRESS_COLOCATE``,
    ``GRADPRESS_NNODES``, ``GRADPRESS_NODE_RANK`` and ``GRADPRESS_STORE_HOSTED=1``
-   (rank layout: :mod:`gradpress.ps.cluster`).
+   (rank layout: :mod:`gradpress.ps.cluster`), and ``GRADPRESS_SECRET`` (generated for a
+   single-node job when unset; see :mod:`gradpress.ps.auth`).
 3. Children run in their own sessions (process groups) and die with the launcher (Linux
    ``PR_SET_PDEATHSIG``). If one exits non-zero, the launcher names its role and rank, records
    the failure in the store (so launchers of other nodes stop too), sends SIGTERM to every other
@@ -21,8 +22,10 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -296,8 +299,24 @@ def _finish_nodes(cfg: LaunchConfig, store: dist.TCPStore) -> int:
     return 1
 
 
+def _with_job_secret(cfg: LaunchConfig) -> LaunchConfig:
+    """A single-node job without ``GRADPRESS_SECRET`` gets a fresh random one, which the
+    children inherit through their environment (never the command line); every process proves
+    it at rendezvous (:mod:`gradpress.ps.auth`). Nodes of a multi-node job cannot share a
+    generated secret: set ``GRADPRESS_SECRET`` on every node, or the job is not authenticated.
+    """
+    if cfg.env.get("GRADPRESS_SECRET") or os.environ.get("GRADPRESS_SECRET"):
+        return cfg
+    if cfg.nnodes > 1:
+        _say(cfg, "warning: GRADPRESS_SECRET is not set: processes joining the job are not "
+                  "authenticated (set the same secret on every node)")
+        return cfg
+    return dataclasses.replace(cfg, env={**cfg.env, "GRADPRESS_SECRET": secrets.token_hex(32)})
+
+
 def launch(cfg: LaunchConfig) -> int:
     """Run this node's part of the job; returns the exit status for the launcher."""
+    cfg = _with_job_secret(cfg)
     sock = _listen(cfg)
     port = sock.getsockname()[1] if sock is not None else cfg.master_port
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -6,13 +6,28 @@ advance) and back. Payloads start with the header of :mod:`gradpress.compress.he
 
 Subclasses implement ``_body_bytes()``, ``_encode(x, body, key, step)`` and
 ``_decode(body, out, header)``; optionally ``_decode_add(body, acc, alpha, header)`` for a
-decode-accumulate without a dense temporary, and ``_encode_ef(p, body, residual, key, step) ->
-bool``, a fused error-feedback pass used by :class:`~gradpress.compress.ef.ErrorFeedback`: encode
-``p`` into ``body`` and write ``residual = p - decode(body)`` (``p`` and ``residual`` are distinct
-buffers); return False, having written nothing, to fall back to ``_encode`` + ``_decode_add``. A
-codec with ``checks_finite`` must reject non-finite ``p`` before writing ``residual``.
-``x``/``body``/``out`` are torch tensors on one device; CPU paths call numba kernels on
-``.numpy()`` views, other devices use torch ops.
+decode-accumulate without a dense temporary. ``x``/``body``/``out`` are torch tensors on one
+device; CPU paths call numba kernels on ``.numpy()`` views, other devices use torch ops.
+
+Two optional hooks let :class:`~gradpress.compress.ef.ErrorFeedback` run in fewer passes. Both
+must give results bit-identical to the unfused path, ``_encode(p)`` then ``residual = p`` followed
+by ``_decode_add(body, residual, -1.0)`` (same payload bytes, same float32 residual, NaN bits
+included). A codec with ``checks_finite`` must reject non-finite ``p`` (``nan_policy="raise"``,
+with :meth:`Codec._non_finite_error`) and leave the residual (``residual``, ``e``) untouched then:
+
+* ``_encode_ef(p, body, residual, key, step) -> bool``: encode ``p`` into ``body`` and write
+  ``residual = p - decode(body)`` (``p`` and ``residual`` are distinct buffers); return False,
+  having written nothing, to fall back to ``_encode`` + ``_decode_add``.
+* ``_encode_ef_fused(g, e, ratio, body, spare, key, step) -> torch.Tensor | None``: the whole
+  vanilla/corrected step with the input sum fused in: ``p = g + e`` when ``ratio == 1``, else
+  ``p = g + float32(float32(ratio) * e)`` (float32 throughout, two roundings, no FMA: exactly
+  :func:`gradpress.compress.kernels.common.fill_p`, which the unfused path uses to store ``p``);
+  encode ``p`` into ``body`` and write ``p - decode(body)`` either over ``e`` (in place; only
+  once ``p`` is known to be accepted) or into the scratch ``spare`` (distinct from ``g`` and
+  ``e``), and return the tensor written. Return None, with ``e`` untouched (``spare`` and
+  ``body`` are scratch until the hook returns), to fall back to ``_encode_ef`` or the unfused
+  path. ``ratio`` is a Python float; ``g``, ``e``, ``spare`` are contiguous 1-D float32 tensors of
+  ``numel`` (> 0) elements on one device.
 """
 
 from __future__ import annotations
@@ -217,8 +232,12 @@ class Codec(abc.ABC):
         else:
             ok = bool(torch.isfinite(flat).all())
         if not ok:
-            raise ValueError(f"{self.name}.compress key {key}: input has non-finite values "
-                             f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
+            raise self._non_finite_error(key)
+
+    def _non_finite_error(self, key: int) -> ValueError:
+        """The error every codec raises for non-finite input under ``nan_policy='raise'``."""
+        return ValueError(f"{self.name}.compress key {key}: input has non-finite values "
+                          f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
 
     def _scratch(self, name: str, device: torch.device, numel: int | None = None,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -9,7 +9,8 @@ canonical quiet NaN with the input's sign (only reachable with ``nan_policy="all
 CPU encoding runs one fused numba pass (round + non-finite check, :mod:`.kernels.cast`); decoding
 uses torch's vectorized conversion (already at memory bandwidth); decode-accumulate converts on
 the fly in numba. Other devices (or ``backend="torch"``) use torch ops throughout and produce the
-same bytes.
+same bytes. Error feedback on CPU is one numba pass (``p = x + e``, the 16-bit values and the
+residual; ``_encode_ef_fused``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from .base import Codec
 from .header import Header
 from .kernels import cast as K
+from .kernels.common import MODE_P, all_finite, ef_args
 from .registry import register
 
 __all__ = ["NoneCodec", "Fp16Codec", "Bf16Codec"]
@@ -81,6 +83,34 @@ class _Cast16Codec(Codec):
             canon = torch.where(torch.signbit(x), neg, pos).to(torch.int16)
             bits = body.view(torch.int16)
             bits.copy_(torch.where(torch.isnan(x), canon, bits))
+
+    # -- error feedback (see Codec's docstring): one pass, p never stored -------------------------
+    def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
+                   step: int) -> bool:
+        if self.use_torch(p.device):
+            return False
+        _require_cpu(self, p)
+        pa = p.numpy()
+        if self.nan_policy == "raise" and not all_finite(pa):
+            raise self._non_finite_error(key)  # before residual is written
+        K.encode_ef(self.name, pa, pa, np.float32(1.0), MODE_P, body.numpy().view(np.uint16),
+                    residual.numpy())
+        return True
+
+    def _encode_ef_fused(self, g: torch.Tensor, e: torch.Tensor, ratio: float, body: torch.Tensor,
+                         spare: torch.Tensor, key: int, step: int) -> torch.Tensor | None:
+        if self.use_torch(g.device):
+            return None
+        _require_cpu(self, g)
+        r, mode = ef_args(ratio)
+        # one pass; the finite check comes at its end, so under "raise" the residual goes to the
+        # scratch and e survives a rejected input
+        res = spare if self.nan_policy == "raise" else e
+        if not K.encode_ef(self.name, g.numpy(), e.numpy(), r, mode,
+                           body.numpy().view(np.uint16), None if res is e else res.numpy()) \
+                and self.nan_policy == "raise":
+            raise self._non_finite_error(key)
+        return res
 
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
         out.copy_(body.view(self.dtype))

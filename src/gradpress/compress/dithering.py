@@ -38,6 +38,10 @@ Non-finite input: ``nan_policy='raise'`` raises ValueError (detected by the norm
 scan); ``'allow'`` encodes the whole chunk as NaN (codes 0, norm NaN), so the NaN reaches the
 receiver as it would uncompressed. Codes naming a level above ``s`` (impossible from an encoder)
 decode to NaN.
+
+Error feedback on CPU (``_encode_ef_fused``): the norm pass reads ``p = x + e`` on the fly, then
+one pass stores ``p`` over ``e``, quantizes it and subtracts the decoded value in place; a zero or
+non-finite norm (rare) falls back to the unfused path.
 """
 
 from __future__ import annotations
@@ -49,8 +53,10 @@ import numpy as np
 import torch
 
 from .base import Codec
+from .cast import _require_cpu
 from .header import Header
 from .kernels import dithering as K
+from .kernels.common import MODE_P, ef_args
 from .registry import register
 from .spec import Param, choice, parse_int
 
@@ -172,6 +178,49 @@ class Dithering(Codec):
             level = lo.to(torch.int64) + (u < y - lo.to(torch.float32)).to(torch.int64)
         sign = (x.view(torch.int32) < 0).to(torch.int64) << (self.bits - 1)
         return _pack_torch(level | sign, self.bits, self.code_bytes)
+
+    # -- error feedback (see Codec's docstring): a norm pass, then one pass writing everything --
+    def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
+                   step: int) -> bool:
+        if self.use_torch(p.device):
+            return False
+        _require_cpu(self, p)
+        pa = p.numpy()
+        return self._ef_numba(pa, pa, np.float32(1.0), MODE_P, body, residual.numpy(), key, step)
+
+    def _encode_ef_fused(self, g: torch.Tensor, e: torch.Tensor, ratio: float, body: torch.Tensor,
+                         spare: torch.Tensor, key: int, step: int) -> torch.Tensor | None:
+        if self.use_torch(g.device):
+            return None
+        _require_cpu(self, g)
+        r, mode = ef_args(ratio)
+        return e if self._ef_numba(g.numpy(), e.numpy(), r, mode, body, None, key, step) else None
+
+    def _ef_numba(self, g: np.ndarray, e: np.ndarray, r: np.float32, mode: int,
+                  body: torch.Tensor, res: np.ndarray | None, key: int, step: int) -> bool:
+        """Steps 1-4 on ``p`` (:func:`~.kernels.common.ef_p`) plus ``res = p - decode`` (into
+        ``e`` when ``res`` is None); False, nothing written, for a zero or non-finite norm."""
+        # 1. the norm of p (and the finite check) before anything is written
+        if self.l2:
+            norm, finite = _l2_norm([float(v) for v in K.sumsq_lanes_ef(g, e, r, mode)])
+        else:
+            m = int(K.max_abs_ef(g, e, r, mode))
+            norm, finite = float(np.uint32(m).view(np.float32)), m < 0x7F800000
+        if not finite and self.nan_policy == "raise":
+            raise self._non_finite_error(key)
+        if norm == 0.0 or not finite:
+            return False  # rare: the unfused path writes the all-zero codes
+        # 2.-4. quantize p block by block; the residual adds the decode-add table for alpha = -1
+        pre, scale = self._scales(norm)
+        k0, k1 = stream_keys(self.seed, key, step)
+        table = (self._signed_levels * (norm * -1.0)).astype(np.float32)
+        out = body.numpy()
+        inplace = res is None
+        K.encode_ef(g, e, r, mode, out[:self.code_bytes], self.bits, self.s, self.natural,
+                    np.float32(pre), np.float32(scale), np.uint32(k0), np.uint32(k1), table,
+                    e if inplace else res, inplace)
+        out[self.code_bytes:] = np.frombuffer(np.float32(norm).tobytes(), np.uint8)
+        return True
 
     # -- decode -----------------------------------------------------------------------------
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:

@@ -13,8 +13,15 @@ Kinds (design brief §3):
 
 The residual is float32, allocated lazily on the device of the first input and zero-initialised.
 Steady-state calls allocate nothing: the residual and one scratch buffer (from ``_scratch``)
-alternate roles (vanilla/corrected), so ``residual`` is a live view of the current residual:
+may swap roles (vanilla/corrected), so ``residual`` is a live view of the current residual:
 copy it to keep a snapshot.
+
+Vanilla/corrected steps run in as few passes as the codec allows (see :mod:`.base` for the
+hooks): ``_encode_ef_fused`` computes ``p`` inside the codec's own passes (onebit: 2 passes,
+fp16/bf16: 1, dithering: 2, topk: ``p`` stored once, then the selection); else ``p`` is stored
+and ``_encode_ef`` or ``_encode`` + ``_decode_add`` finish the step. Every path computes ``p``
+with the same float32 operations (``x + e``, or ``x + float32(float32(ratio) * e)``: two
+roundings, no FMA) and gives bit-identical payloads and residuals.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from .base import Codec
 from .header import HEADER_BYTES, Header, pack_header
+from .kernels.common import ef_args, fill_p
 from .registry import EF_KINDS
 
 __all__ = ["CodecWrapper", "ErrorFeedback"]
@@ -156,6 +164,8 @@ class ErrorFeedback(CodecWrapper):
                 self._compress_sparse(flat, payload[HEADER_BYTES:], h)
             else:
                 self._compress_dense(flat, payload[HEADER_BYTES:], h, ratio)
+        else:
+            payload[HEADER_BYTES:].zero_()  # deterministic bytes at numel=0, as Codec.compress
         if lr is not None:
             self.lr_prev = float(lr)
         return payload
@@ -177,20 +187,44 @@ class ErrorFeedback(CodecWrapper):
                         ratio: float) -> None:
         """Vanilla/corrected EF; the residual is untouched if the input is rejected."""
         e, p = self._e, self._spare
+        inner = self.inner
+        fused = getattr(inner, "_encode_ef_fused", None)
+        # 1.-3. fused: p = x + ratio * e, c = C(p) into body and e = p - D(c) in as few passes
+        #    as the codec can (most never store p); the codec writes e in place or into the scratch
+        if fused is not None and (inner.checks_finite or self.nan_policy == "allow"):
+            r = fused(flat, e, ratio, body, p, h.key, h.step)
+            if r is not None:
+                if r is not e:
+                    self._e, self._spare = r, e
+                return
         # 1. p = x + ratio * e   (ratio = lr_prev / lr_now for corrected EF, else 1)
-        torch.add(flat, e, alpha=ratio, out=p)
-        if self.nan_policy == "raise" and not self.inner.checks_finite:
+        self._ef_input(flat, e, ratio, p)
+        if self.nan_policy == "raise" and not inner.checks_finite:
             self._check_finite(p, h.key)
-        hook = getattr(self.inner, "_encode_ef", None)
+        hook = getattr(inner, "_encode_ef", None)
         # 2.+3. fused: c = C(p) into body and e = p - D(c) in one pass, when the codec offers it
         if hook is not None and hook(p, body, e, h.key, h.step):
             return
         # 2. c = C(p)
-        self.inner._encode(p, body, h.key, h.step)
+        inner._encode(p, body, h.key, h.step)
         # 3. e = p - D(c): subtract the decoding in place (sparse codecs touch only k entries),
         #    then the buffer holding p - D(c) becomes the residual and the old residual the scratch
-        self.inner._decode_add(body, p, -1.0, h)
+        inner._decode_add(body, p, -1.0, h)
         self._e, self._spare = p, e
+
+    def _ef_input(self, flat: torch.Tensor, e: torch.Tensor, ratio: float,
+                  p: torch.Tensor) -> None:
+        """``p = x + e`` (ratio 1) or ``x + float32(float32(ratio) * e)``: two float32 roundings,
+        the arithmetic of :func:`~gradpress.compress.kernels.common.fill_p` and of every fused
+        error-feedback kernel (numba on CPU, the same float32 operations as torch ops elsewhere)."""
+        if flat.device.type == "cpu" and not self.inner.use_torch(flat.device):
+            r, mode = ef_args(ratio)
+            fill_p(flat.numpy(), e.numpy(), r, mode, p.numpy(), False)
+        elif ratio == 1.0:
+            torch.add(flat, e, out=p)
+        else:
+            torch.mul(e, ratio, out=p)  # torch rounds the Python float ratio to float32 first
+            p.add_(flat)
 
     def _compress_sparse(self, flat: torch.Tensor, body: torch.Tensor, h: Header) -> None:
         """Sparse EF (randomk): only the selected positions are read (by the codec) and cleared."""

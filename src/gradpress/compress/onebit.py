@@ -14,7 +14,8 @@ Schemes", alg. 1: ``C(x) = (||x||_1 / d) * sign(x)``; BytePS's ``onebit`` with `
 
 Payload body: ``ceil(numel / 8)`` bytes of bits, then the little-endian float32 scale. The CPU
 path is one fused numba pass (bits + float64 |x| sum + non-finite check); torch ops (for GPU
-tensors or ``backend="torch"``) produce identical bytes.
+tensors or ``backend="torch"``) produce identical bytes. Error feedback on CPU takes two passes
+with ``p = x + e`` never stored (``_encode_ef_fused``, see :mod:`.kernels.onebit`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .base import Codec
 from .cast import _require_cpu
 from .header import Header
 from .kernels import onebit as K
+from .kernels.common import MODE_P, ef_args
 from .registry import register
 from .spec import Param, parse_bool
 
@@ -78,6 +80,36 @@ class OneBitCodec(Codec):
         weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=x.device)
         body[:nbits].copy_((signs.view(nbits, 8) * weights).sum(dim=1, dtype=torch.int32))
         body[nbits:nbits + 4].copy_(scale.reshape(1).view(torch.uint8))
+
+    # -- error feedback (see Codec's docstring): two passes, p never stored ------------------------
+    def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
+                   step: int) -> bool:
+        if self.use_torch(p.device):
+            return False
+        _require_cpu(self, p)
+        pa = p.numpy()
+        self._ef_passes(pa, pa, np.float32(1.0), MODE_P, body, residual.numpy(), key)
+        return True
+
+    def _encode_ef_fused(self, g: torch.Tensor, e: torch.Tensor, ratio: float, body: torch.Tensor,
+                         spare: torch.Tensor, key: int, step: int) -> torch.Tensor | None:
+        if self.use_torch(g.device):
+            return None
+        _require_cpu(self, g)
+        r, mode = ef_args(ratio)
+        self._ef_passes(g.numpy(), e.numpy(), r, mode, body, None, key)
+        return e  # pass 2 runs only once p is accepted, so it may overwrite e
+
+    def _ef_passes(self, g: np.ndarray, e: np.ndarray, r: np.float32, mode: int,
+                   body: torch.Tensor, res: np.ndarray | None, key: int) -> None:
+        """Pass 1: bits, |p| sum and scale (the finite check); pass 2: ``res = p - decode``
+        (into ``e`` when ``res`` is None). ``p`` is recomputed in pass 2, bit for bit."""
+        b = body.numpy()
+        total = K.encode_ef(g, e, r, mode, b, bool(self.params["scaling"]))
+        if self.nan_policy == "raise" and not math.isfinite(total):
+            raise self._non_finite_error(key)
+        inplace = res is None
+        K.residual_ef(g, e, r, mode, b, np.float32(-1.0), e if inplace else res, inplace)
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:

@@ -13,6 +13,9 @@ Wire formats (after the 40-byte header), with ``kk`` the resolved count (see :fu
   paths produce byte-identical payloads. The effective seed is part of the config fingerprint, so
   peers built with different seeds reject each other's payloads instead of mis-decoding them.
 
+Error feedback with ``topk`` on CPU (``_encode_ef_fused``) stores ``p = x + e`` once where the
+residual will live, selects from it and fixes only the ``kk`` sent entries (no dense decode).
+
 References: Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017
 (top-k); Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (top-k, random-k).
 """
@@ -27,8 +30,10 @@ import numpy as np
 import torch
 
 from .base import Codec
+from .cast import _require_cpu
 from .header import Header
 from .kernels import sparse as K
+from .kernels.common import ef_args, fill_p
 from .registry import register
 from .spec import Param, choice, parse_int, parse_k
 
@@ -108,11 +113,15 @@ class TopK(_Sparse):
         return idx, body[4 * kk:4 * kk + self._value_bytes * kk].view(vdt)
 
     def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
-        idx, vals = self._split(body)
         if self.use_torch(x.device):
+            idx, vals = self._split(body)
             self._encode_torch(x, idx, vals, key)
             return
-        xa = x.numpy()
+        self._encode_numba(x.numpy(), body, key)
+
+    def _encode_numba(self, xa: np.ndarray, body: torch.Tensor, key: int) -> None:
+        """Select the top-k of float32 ``xa`` and write indices and values into ``body``."""
+        idx, vals = self._split(body)
         ia = idx.numpy()
         mx = K.topk_select(xa.view(np.uint32), ia)
         if mx >= K.EXP_BITS and self.nan_policy == "raise":
@@ -122,6 +131,32 @@ class TopK(_Sparse):
         else:  # saturate to the fp16 range (an inf would poison error-feedback residuals)
             v32 = np.clip(xa[ia], -_FP16_MAX, _FP16_MAX)
             np.copyto(vals.numpy(), v32, casting="same_kind")
+
+    # -- error feedback (see Codec's docstring): p stored once, the residual fixed at k entries --
+    def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
+                   step: int) -> bool:
+        if self.use_torch(p.device):
+            return False
+        _require_cpu(self, p)
+        self._encode_numba(p.numpy(), body, key)  # raises before residual is written
+        residual.copy_(p)
+        self._scatter_numba(body, residual.numpy(), -1.0, key, accumulate=True)
+        return True
+
+    def _encode_ef_fused(self, g: torch.Tensor, e: torch.Tensor, ratio: float, body: torch.Tensor,
+                         spare: torch.Tensor, key: int, step: int) -> torch.Tensor | None:
+        if self.use_torch(g.device):
+            return None
+        _require_cpu(self, g)
+        # 1. p = g + ratio * e, stored where the residual will live: over e unless a rejected
+        #    input must leave e intact ("raise": the finite check is part of the selection)
+        res = spare if self.nan_policy == "raise" else e
+        ra = res.numpy()
+        fill_p(g.numpy(), e.numpy(), *ef_args(ratio), ra, res is e)
+        # 2. select and gather from p; 3. residual = p - decode: only the k sent entries change
+        self._encode_numba(ra, body, key)
+        self._scatter_numba(body, ra, -1.0, key, accumulate=True)
+        return res
 
     def _encode_torch(self, x: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
                       key: int) -> None:
@@ -150,12 +185,18 @@ class TopK(_Sparse):
             else:
                 out.index_copy_(0, sel, v)
             return
+        self._scatter_numba(body, out.numpy(), alpha, h.key, accumulate)
+
+    def _scatter_numba(self, body: torch.Tensor, out: np.ndarray, alpha: float, key: int,
+                       accumulate: bool) -> None:
+        """``out[idx] = vals`` or ``out[idx] += float32(alpha) * vals`` (numba), indices checked."""
+        idx, vals = self._split(body)
         va = vals.numpy()
         if va.dtype != np.float32:
             va = va.astype(np.float32)
-        bad = K.scatter(va, idx.numpy(), out.numpy(), alpha, accumulate)
+        bad = K.scatter(va, idx.numpy(), out, alpha, accumulate)
         if bad >= 0:
-            raise ValueError(f"topk payload key {h.key}: index {int(idx[bad])} at position {bad} "
+            raise ValueError(f"topk payload key {key}: index {int(idx[bad])} at position {bad} "
                              f"is out of range [0, {self.numel})")
 
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:

@@ -21,12 +21,16 @@ the world. Every process checks that it agrees with the others on the job's shap
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import logging
+import os
+import socket
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from .auth import authenticate
 from .config import ClusterConfig
 from .errors import GradpressError
 
@@ -109,6 +113,39 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A listening socket bound to ``addr:port`` only (port 0: a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+    except OSError as e:
+        sock.close()
+        raise GradpressError(f"cannot listen on {addr}:{port} for the TCP store: {e}") from e
+    sock.listen(1024)
+    return sock
+
+
+def _gloo_on_loopback(master_addr: str) -> None:
+    """With a loopback store address the job is local: gloo listens on loopback too, not on
+    the address the host name resolves to (unless ``GLOO_SOCKET_IFNAME`` says otherwise)."""
+    if not _is_loopback(master_addr) or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    names = [name for _, name in socket.if_nameindex()]
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+
+
 class Cluster:
     """A joined job: store, world process group, worker subgroups, and this process's role."""
 
@@ -118,6 +155,7 @@ class Cluster:
         self.timeout = timeout
         self.rank = cfg.rank
         self._owns_store = not cfg.store_hosted and cfg.rank == 0
+        self._listener: socket.socket | None = None  # the store's socket when this rank hosts
         self.raw_store = self._open_store()
         #: gradpress's own keys (descriptors, errors) live under this prefix
         self.store = dist.PrefixStore("gradpress/", self.raw_store)
@@ -128,9 +166,11 @@ class Cluster:
 
     def _open_store(self) -> dist.TCPStore:
         cfg = self.cfg
-        if self._owns_store:
-            return dist.TCPStore(cfg.master_addr, cfg.master_port, None, True,
-                                 timeout=_timedelta(self.timeout), wait_for_workers=False)
+        if self._owns_store:  # listen on MASTER_ADDR only (loopback by default), not on all
+            self._listener = _listen(cfg.master_addr, cfg.master_port)
+            return dist.TCPStore(cfg.master_addr, self._listener.getsockname()[1], None, True,
+                                 timeout=_timedelta(self.timeout), wait_for_workers=False,
+                                 master_listen_fd=self._listener.fileno())
         if cfg.master_port == 0:
             raise GradpressError(f"{self.describe(cfg.rank)}: MASTER_PORT is not set; start the "
                                  f"job with `gradpress launch` or set MASTER_ADDR/MASTER_PORT")
@@ -155,10 +195,20 @@ class Cluster:
         if dist.is_initialized():
             raise GradpressError("torch.distributed is already initialized in this process; "
                                  "gradpress creates its own process group")
+        authenticate(self.store, rank=self.rank, world_size=lay.world_size,
+                     describe=self.describe, secret=self.cfg.secret, timeout=self.timeout)
         self._agree_on_job()
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg/", self.raw_store),
-                                rank=self.rank, world_size=lay.world_size,
-                                timeout=_timedelta(self.timeout))
+        _gloo_on_loopback(self.cfg.master_addr)
+        self.store.set(f"joined/{self.rank}", "1")
+        try:
+            dist.init_process_group("gloo", store=dist.PrefixStore("pg/", self.raw_store),
+                                    rank=self.rank, world_size=lay.world_size,
+                                    timeout=_timedelta(self.timeout))
+        except Exception as e:  # noqa: BLE001 - name who is missing instead of a store key
+            missing = [self.describe(r) for r in range(lay.world_size)
+                       if not self.store.check([f"joined/{r}"])]
+            raise GradpressError(f"{self.describe(self.rank)}: process group rendezvous failed "
+                                 f"(not arrived: {', '.join(missing) or 'none'}): {e}") from e
         self._joined = True
         # new_group is collective over the world: every process creates every group, in order
         tmo = _timedelta(self.timeout)

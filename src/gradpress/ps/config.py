@@ -115,6 +115,9 @@ class PSConfig:
     #: Seconds a server waits for a worker's next message between operations; 0 = no limit
     #: (a crashed worker still ends the wait at once: its connection closes).
     idle_timeout: float = 0.0
+    #: Seconds between the failure watchdog's polls of the store; 0 disables it. A failure
+    #: any process records reaches every process within this; see docs/reliability.md.
+    watchdog_interval: float = 1.0
     #: Threads of a worker's compress/decompress pool.
     compress_threads: int = field(default_factory=_default_threads)
     #: Decode-accumulate-recompress threads of a server engine (keys balanced by bytes).
@@ -131,12 +134,16 @@ class PSConfig:
     #: Hierarchical aggregation: reduce within each node, only the node's first worker pushes
     #: and pulls, then broadcast within the node. Must be the same in every process.
     hierarchical: bool = False
+    #: Checkpoint directory whose server state the server engines load when they start (set
+    #: by ``gradpress launch --resume DIR``; see ``docs/checkpoints.md``).
+    resume: str | None = None
 
     def __post_init__(self) -> None:
         _check_int(self, "partition_bytes", 4)
         _check_int(self, "min_compress_bytes", 0)
         _check_float(self, "timeout", 0.001)
         _check_float(self, "idle_timeout", 0.0)
+        _check_float(self, "watchdog_interval", 0.0)
         _check_int(self, "compress_threads", 1)
         _check_int(self, "engine_threads", 1)
         _check_int(self, "torch_threads", 1, optional=True)
@@ -151,6 +158,9 @@ class PSConfig:
             raise ValueError(f"PSConfig.hierarchical must be a bool, got {self.hierarchical!r}")
         if self.trace is not None and not isinstance(self.trace, str):
             raise ValueError(f"PSConfig.trace must be None or a path string, got {self.trace!r}")
+        if self.resume is not None and not isinstance(self.resume, str):
+            raise ValueError(f"PSConfig.resume must be None or a directory path, got "
+                             f"{self.resume!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PSConfig:
@@ -165,7 +175,8 @@ class ClusterConfig:
     ``from_env`` reads the torchrun-style variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``GRADPRESS_ROLE``,
     ``GRADPRESS_NUM_SERVERS``, ``GRADPRESS_COLOCATE``, ``GRADPRESS_NNODES``,
-    ``GRADPRESS_STORE_HOSTED``. Without any of them it describes a single colocated process.
+    ``GRADPRESS_STORE_HOSTED``, ``GRADPRESS_SECRET``. Without any of them it describes a single
+    colocated process.
     """
 
     #: ``"worker"`` or ``"server"`` (a colocated worker also hosts a server engine).
@@ -191,6 +202,9 @@ class ClusterConfig:
     #: Whether another process (the launcher, torchrun's agent) hosts the TCP store; if not,
     #: world rank 0 hosts it.
     store_hosted: bool = False
+    #: The job secret every process proves at rendezvous (``GRADPRESS_SECRET``; None: the job
+    #: is not authenticated). Never printed. See :mod:`gradpress.ps.auth`.
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -213,6 +227,9 @@ class ClusterConfig:
                              f"{self.local_size}")
         if self.master_port > 65535:
             raise ValueError(f"ClusterConfig.master_port must be <= 65535, got {self.master_port}")
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ValueError("ClusterConfig.secret must be None or a non-empty string "
+                             f"(GRADPRESS_SECRET), got a {type(self.secret).__name__}")
 
     @property
     def world_size(self) -> int:
@@ -243,5 +260,6 @@ class ClusterConfig:
         vals["local_size"] = int(env.get("LOCAL_WORLD_SIZE", "1"))
         hosted = env.get("GRADPRESS_STORE_HOSTED") or env.get("TORCHELASTIC_USE_AGENT_STORE", "")
         vals["store_hosted"] = _parse_bool("GRADPRESS_STORE_HOSTED", hosted)
+        vals["secret"] = env.get("GRADPRESS_SECRET") or None
         vals.update(overrides)
         return cls(**vals)

@@ -7,8 +7,8 @@ chunk when known), the peer (role and rank, e.g. ``server 1 (rank 3)``) and the 
 
 from __future__ import annotations
 
-__all__ = ["GradpressError", "CommTimeoutError", "PeerError", "ConfigMismatchError",
-           "KeyCollisionError", "NotInitializedError"]
+__all__ = ["GradpressError", "CommTimeoutError", "PeerError", "PayloadError", "AuthError",
+           "ConfigMismatchError", "KeyCollisionError", "NotInitializedError"]
 
 
 class GradpressError(RuntimeError):
@@ -32,6 +32,16 @@ class CommTimeoutError(_WaitError, TimeoutError):
 
 class PeerError(_WaitError):
     """A peer failed or closed its connection while we waited on it."""
+
+
+class PayloadError(_WaitError, ValueError):
+    """A message failed validation (header, size, step, key, non-finite values); it names the
+    sender (``peer``) and the key, and was never decoded into a result (docs/reliability.md)."""
+
+
+class AuthError(GradpressError):
+    """A process could not prove the job secret at rendezvous, or the job could not prove it
+    back (``GRADPRESS_SECRET``; see :mod:`gradpress.ps.auth`)."""
 
 
 class ConfigMismatchError(GradpressError, ValueError):

@@ -3,7 +3,9 @@
 * Control messages (fixed 32 bytes, tag ``CTRL_TAG``), little endian::
 
       offset size field
-      0      1    op      (1 = push announcement, 2 = stop)
+      0      1    op      (1 = push announcement, 2 = stop, 3 = save server state,
+                           4 = load server state; for 3 and 4 ``step`` is the request number,
+                           see :mod:`gradpress.ps.state`)
       1      3    padding
       4      4    key     (uint32; the gloo tag of the payload that follows)
       8      8    step    (int64; the key's step counter)
@@ -29,13 +31,16 @@ import torch
 
 from .errors import ConfigMismatchError, KeyCollisionError
 
-__all__ = ["CTRL_BYTES", "OP_PUSH", "OP_STOP", "Control", "pack_control", "unpack_control",
-           "KeyDescriptor"]
+__all__ = ["CTRL_BYTES", "OP_PUSH", "OP_STOP", "OP_SAVE", "OP_LOAD", "Control", "pack_control",
+           "unpack_control", "KeyDescriptor"]
 
 _FMT = struct.Struct("<B3xIqdQ")
 CTRL_BYTES = _FMT.size
 OP_PUSH = 1
 OP_STOP = 2
+OP_SAVE = 3
+OP_LOAD = 4
+_OPS = (OP_PUSH, OP_STOP, OP_SAVE, OP_LOAD)
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,8 @@ def pack_control(msg: Control, buf: torch.Tensor | None = None) -> torch.Tensor:
 def unpack_control(buf: torch.Tensor) -> Control:
     """Decode a control message; ValueError for an unknown op."""
     op, key, step, lr, nbytes = _FMT.unpack(bytes(buf.numpy()))
-    if op not in (OP_PUSH, OP_STOP):
-        raise ValueError(f"control message with unknown op {op}, expected {OP_PUSH} or {OP_STOP}")
+    if op not in _OPS:
+        raise ValueError(f"control message with unknown op {op}, expected one of {_OPS}")
     return Control(op, key, step, None if math.isnan(lr) else lr, nbytes)
 
 

@@ -37,11 +37,14 @@ import torch
 from ..compress import build
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
+from .engine_state import ServerStateMixin
 from .errors import ConfigMismatchError, GradpressError
 from .partition import assign_balanced
-from .protocol import CTRL_BYTES, OP_STOP, KeyDescriptor, unpack_control
+from .protocol import CTRL_BYTES, OP_LOAD, OP_SAVE, OP_STOP, KeyDescriptor
 from .trace import Tracer, trace_path
-from .transport import CTRL_TAG, Op, Transport
+from .transport import CTRL_TAG, Op, Transport, payload_buffer
+from .validate import add_push, check_sum, read_control, require_declared
+from .watchdog import Watchdog
 
 __all__ = ["ServerEngine", "serve", "main"]
 
@@ -59,19 +62,20 @@ class _KeyState:
         self.enc = build(desc.spec, desc.numel, ef=desc.ef, seed=desc.seed)
         self.nbytes = self.dec.payload_bytes
         self.thread = thread
-        self.recv = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(pushers)]
+        self.recv = [payload_buffer(self.nbytes) for _ in range(pushers)]  # framed
         self.recv_ops: list[Op | None] = [None] * pushers
         self.lrs: list[float | None] = [None] * pushers
         self.next_step = [0] * pushers  # per worker: the step its next announcement must carry
         self.arrived = 0
         self.step = 0
-        self.reply = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(2)]
+        self.reply = [payload_buffer(self.nbytes) for _ in range(2)]
         self.sends: list[list[Op]] = [[], []]
         self.lock = threading.Lock()
 
 
-class ServerEngine:
-    """Server ``index`` of the job, running on threads of the current process.
+class ServerEngine(ServerStateMixin):
+    """Server ``index`` of the job, running on threads of the current process (checkpoint
+    methods, and loading ``cfg.resume`` before serving: ``ServerStateMixin``).
 
     Args:
         cluster: the joined job.
@@ -107,6 +111,7 @@ class ServerEngine:
         self._threads: list[threading.Thread] = []
         self.stats = {"bytes_received": 0, "bytes_sent": 0, "steps": 0, "decode_s": 0.0,
                       "compress_s": 0.0, "wait_s": 0.0}
+        self._init_state()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> ServerEngine:
@@ -130,9 +135,10 @@ class ServerEngine:
         """
         if not self._stopped.wait(timeout):
             raise GradpressError(f"{self.name}: workers did not stop within {timeout} s")
-        if self._error is None:
-            for q in self._queues:
-                q.put(None)
+        if self._error is not None:  # fail fast: threads may block on a dead peer (daemons)
+            raise self._error
+        for q in self._queues:
+            q.put(None)
         deadline = time.monotonic() + self.cfg.timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -175,13 +181,19 @@ class ServerEngine:
     def _control_loop(self, w: int) -> None:
         rank = self.pushers[w]
         buf = torch.empty(CTRL_BYTES, dtype=torch.uint8)
+        who = self.cluster.describe(rank)
         while self._error is None:
             op = self.transport.irecv(buf, rank, CTRL_TAG, f"control messages of {self.name}",
                                       "push")
             op.wait(self.cfg.idle_timeout, "waiting for the next push")
-            msg = unpack_control(buf)
+            msg = read_control(buf, sender=who, receiver=self.name)  # hostile input checks
             if msg.op == OP_STOP:
                 break
+            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.state)
+                self._state_request(w, msg)
+                continue
+            if msg.key not in self._keys:
+                require_declared(self.cluster.store, msg.key, sender=who, receiver=self.name)
             ks = self._key_state(msg.key)
             self._check_push(ks, w, msg.step, msg.nbytes)
             ks.recv_ops[w] = self.transport.irecv(ks.recv[w], rank, ks.key, ks.label, "push")
@@ -222,6 +234,7 @@ class ServerEngine:
             thread = assign_balanced({key: nbytes}, self._thread_loads)[key]
             self._thread_loads[thread] += nbytes
             ks = self._keys[key] = _KeyState(key, desc, len(self.pushers), thread)
+            self._restore(ks)  # saved state loaded from a checkpoint, if any
             return ks
 
     # -- steps 3-5: engine threads -------------------------------------------------------------
@@ -248,9 +261,10 @@ class ServerEngine:
             tw = time.perf_counter()
             ks.recv_ops[w].wait(timeout, "push")  # type: ignore[union-attr]
             wait_s += time.perf_counter() - tw
-            ks.dec.check_header(ks.recv[w], key=ks.key, step=step,
-                                sender=self.cluster.describe(rank))
-            ks.dec.decompress_add(ks.recv[w], acc)
+            add_push(ks.dec, ks.recv[w], acc, key=ks.key, step=step, label=ks.label,
+                     sender=self.cluster.describe(rank))
+        check_sum(acc, ks.dec, ks.recv, [self.cluster.describe(r) for r in self.pushers],
+                  key=ks.key, label=ks.label)  # non-finite: name the sender, send nothing
         if ks.desc.average:  # by the number of workers, also when node leaders push sums
             acc.div_(self.cluster.layout.num_workers)
         t1 = time.perf_counter()
@@ -297,7 +311,10 @@ def serve(ccfg: ClusterConfig, cfg: PSConfig) -> None:
     tracer = Tracer(trace_path(cfg.trace, "server", index, ccfg.rank) if cfg.trace else None,
                     ccfg.rank, f"server {index}")
     transport = Transport(ccfg.rank, cluster.describe, cluster.reported_errors)
-    ServerEngine(cluster, cfg, transport, index, tracer=tracer).start().join()
+    engine = ServerEngine(cluster, cfg, transport, index, tracer=tracer).start()
+    with Watchdog(cluster, interval=cfg.watchdog_interval, exit_within=cfg.timeout,
+                  exit_at_once=True):
+        engine.join()  # a failure recorded anywhere ends this process (reliability.md)
     # only after a clean stop: with a failed peer, tearing gloo down could block
     cluster.close()
 

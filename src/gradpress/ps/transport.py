@@ -9,6 +9,15 @@ reply of key K while its server receives the pushes of key K), so every message 
 because a key's pushes and replies between two processes never share a direction. A gloo wait
 that times out closes the link to that peer (gloo's behaviour): timeouts
 are fatal and raise :class:`~gradpress.ps.errors.CommTimeoutError` naming key, peer and stage.
+
+Payloads (every tag but ``CTRL_TAG``) travel over gloo *framed*: gloo completes a receive with a
+message shorter than the posted buffer without saying so, leaving the buffer's tail from an
+earlier message. So the sender appends a trailer of ``FRAME_BYTES`` (the payload header's key
+and step, copied), the receiver fills the trailer with ``0xFF`` before posting, and after the
+receive the trailer must equal the header it arrived with; otherwise the message was truncated
+(or corrupted) and :class:`~gradpress.ps.errors.PayloadError` names the sender and the key.
+Payload buffers therefore come from :func:`payload_buffer`, which leaves room for the trailer.
+(A message *longer* than the posted buffer makes gloo abort the receiving process.)
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .errors import CommTimeoutError, PeerError
+from ..compress.header import HEADER_BYTES
+from .errors import CommTimeoutError, PayloadError, PeerError
 
-__all__ = ["Op", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES"]
+__all__ = ["Op", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES", "payload_buffer"]
 
 #: Directions of messages: worker -> server ("push") and server -> worker ("pull").
 LANES = ("push", "pull")
@@ -33,18 +43,50 @@ CTRL_TAG = 1
 #: Timeout value meaning "wait without limit" (used for a server's idle waits).
 NO_LIMIT = 0.0
 _FOREVER = datetime.timedelta(days=3650)
+#: gloo's words for a connection the peer closed (process exit, crash, SIGKILL)
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+#: Trailer behind every payload sent over gloo: header key (bytes 4-8) and step (16-24).
+FRAME_BYTES = 12
+
+
+def payload_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 payload buffer of ``nbytes``, with room for the frame trailer behind it."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < HEADER_BYTES:
+        raise ValueError(f"payload buffer size must be an int >= {HEADER_BYTES} (the header), "
+                         f"got {nbytes!r}")
+    full = torch.empty(nbytes + FRAME_BYTES, dtype=torch.uint8)
+    view = full[:nbytes]
+    view._gp_frame = (full, full.numpy())  # type: ignore[attr-defined]
+    return view
+
+
+def _frame(buf: torch.Tensor, label: str, is_send: bool) -> tuple[torch.Tensor, object]:
+    """The framed tensor to post for payload ``buf`` and, for a receive, its numpy view."""
+    frame = getattr(buf, "_gp_frame", None)
+    if frame is None:
+        raise ValueError(f"the payload buffer of {label} has no room for the frame trailer: "
+                         f"allocate it with gradpress.ps.transport.payload_buffer()")
+    full, a = frame
+    n = buf.numel()
+    if is_send:  # the trailer repeats the header's key and step
+        a[n:n + 4] = a[4:8]
+        a[n + 4:n + FRAME_BYTES] = a[16:24]
+    else:  # a step's top byte is never 0xFF: an unwritten trailer cannot match
+        a[n:] = 0xFF
+    return full, a
 
 
 class Op:
     """A posted send or receive; :meth:`wait` blocks until it completed."""
 
     def __init__(self, work: object, kind: str, peer: str, label: str,
-                 context: Callable[[], str]) -> None:
+                 context: Callable[[], str], frame: object = None) -> None:
         self._work = work
         self.kind = kind
         self.peer = peer
         self.label = label
         self._context = context
+        self._frame = frame  # numpy view of a framed receive, checked when it completes
         self._done = False
 
     def wait(self, timeout: float, stage: str) -> None:
@@ -56,7 +98,19 @@ class Op:
             self._work.wait(limit)  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - gloo reports everything as RuntimeError
             raise self._error(e, timeout, stage) from e
+        if self._frame is not None:
+            self._check_frame(stage)
         self._done = True
+
+    def _check_frame(self, stage: str) -> None:
+        a = self._frame
+        n = len(a) - FRAME_BYTES  # type: ignore[arg-type]
+        trailer, head = bytes(a[n:]), bytes(a[4:8]) + bytes(a[16:24])  # type: ignore[index]
+        if n < HEADER_BYTES or trailer != head:
+            raise PayloadError(f"{self.kind} of {self.label} from {self.peer} (stage: {stage}) "
+                               f"rejected: the message is truncated or corrupted (its trailer "
+                               f"does not match its header)", key=self.label, peer=self.peer,
+                               stage=stage)
 
     def _error(self, e: Exception, timeout: float, stage: str) -> Exception:
         text = str(e)
@@ -68,8 +122,13 @@ class Op:
             return CommTimeoutError(f"timed out after {timeout:g} s waiting for {where}; raise "
                                     f"GRADPRESS_TIMEOUT if the peer is just slow{extra}",
                                     key=self.label, peer=self.peer, stage=stage)
-        return PeerError(f"{where} failed: {text.splitlines()[0] if text else e!r}{extra}",
-                         key=self.label, peer=self.peer, stage=stage)
+        first = text.splitlines()[0] if text else repr(e)
+        if any(m in text for m in _GONE):  # the peer's process exited, crashed or was killed
+            return PeerError(f"{self.peer} is gone (its connection closed: the process exited, "
+                             f"crashed or was killed) during {where}; gloo: {first}{extra}",
+                             key=self.label, peer=self.peer, stage=stage)
+        return PeerError(f"{where} failed: {first}{extra}", key=self.label, peer=self.peer,
+                         stage=stage)
 
 
 class _LocalWork:
@@ -135,9 +194,13 @@ class Transport:
         kind = "send" if is_send else "receive"
         if lane not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
-        if peer == self.rank:
+        check = None
+        if peer == self.rank:  # in-process: copied whole, no frame needed
             work: object = self._mailbox.post(buf, (tag, lane), is_send)
         else:
+            if tag != CTRL_TAG:  # a payload: framed (see the module docstring)
+                buf, a = _frame(buf, label, is_send)
+                check = None if is_send else a
             with self._lock:
                 try:
                     work = (dist.isend if is_send else dist.irecv)(buf, peer, tag=tag)
@@ -145,4 +208,4 @@ class Transport:
                     raise PeerError(f"posting {kind} of {label} with "
                                     f"{self._describe(peer)} failed: {e}", key=label,
                                     peer=self._describe(peer), stage="post") from e
-        return Op(work, kind, self._describe(peer), label, self._context)
+        return Op(work, kind, self._describe(peer), label, self._context, check)

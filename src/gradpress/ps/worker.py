@@ -37,12 +37,14 @@ from ..compress.spec import CodecSpec, parse_spec
 from .budget import ByteBudget
 from .cluster import Cluster
 from .config import PSConfig
+from .engine_state import WorkerStateMixin
 from .errors import GradpressError, KeyCollisionError
 from .handle import Handle
 from .partition import assign_balanced, chunk_key, chunk_layout
 from .protocol import CTRL_BYTES, OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
-from .transport import CTRL_TAG, Op, Transport
+from .transport import CTRL_TAG, Op, Transport, payload_buffer
+from .validate import decode_reply
 
 __all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32"]
 
@@ -130,8 +132,8 @@ class _Job:
     t_sent: float = 0.0
 
 
-class WorkerEngine:
-    """The push/pull pipeline of one worker process.
+class WorkerEngine(WorkerStateMixin):
+    """The push/pull pipeline of one worker process (checkpoint methods: ``WorkerStateMixin``).
 
     Args:
         cluster: the joined job.
@@ -159,6 +161,8 @@ class WorkerEngine:
             ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes", "steps", "chunks"), 0)
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
+        self._pending: dict[str, dict[str, Any]] = {}  # loaded state of tensors not yet seen
+        self._state_seq = 0  # server state requests so far (collective over workers)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
         self._recv_q: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._loop, args=(self._dispatch_q,
@@ -265,6 +269,7 @@ class WorkerEngine:
             return plan
         gen = 0 if plan is None else plan.generation + 1
         plan = self._new_plan(name, numel, gen, spec, wrappers, bool(average), signature)
+        self._restore_pending(plan)  # loaded checkpoint state; ValueError naming a mismatch
         with self._lock:
             self._plans[name] = plan
         return plan
@@ -291,8 +296,8 @@ class WorkerEngine:
             enc = build(spec, c.numel, seed=self.cfg.seed, **wrappers)
             srank = self.cluster.layout.server_rank(desc.server)
             chunks.append(_ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
-                                      torch.empty(dec.payload_bytes, dtype=torch.uint8),
-                                      torch.empty(dec.payload_bytes, dtype=torch.uint8)))
+                                      payload_buffer(dec.payload_bytes),  # framed (transport)
+                                      payload_buffer(dec.payload_bytes)))
         return _Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
 
     def _agree(self, key: int, desc: KeyDescriptor) -> KeyDescriptor:
@@ -353,8 +358,8 @@ class WorkerEngine:
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
-        cs.dec.check_header(cs.recv, key=cs.key, step=job.step, sender=cs.server_name)
-        cs.dec.decompress(cs.recv, out=job.out)
+        decode_reply(cs.dec, cs.recv, job.out, key=cs.key, step=job.step,  # validated
+                     sender=cs.server_name, label=cs.label)
         self._budget.release(cs.send.numel())
         t1 = time.perf_counter()
         self.account(decompress_s=t1 - t0, bytes_pulled=cs.recv.numel())

@@ -49,6 +49,16 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
-    """Make every worker's optimizer state (and hyperparameters) equal to root's."""
-    state = broadcast_object(optimizer.state_dict(), root_rank=root_rank)
+    """Make every worker's optimizer state (and hyperparameters) equal to root's.
+
+    The per-worker codec state of a ``DistributedOptimizer`` (its ``"gradpress"`` entry:
+    error-feedback residuals, momentum buffers) is not broadcast: each worker keeps its own.
+    """
+    from .. import api
+
+    state = None
+    if api.rank() == root_rank:
+        state = optimizer.state_dict()
+        state.pop("gradpress", None)
+    state = broadcast_object(state, root_rank=root_rank)
     optimizer.load_state_dict(state)

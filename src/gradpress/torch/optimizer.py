@@ -15,6 +15,11 @@ Steps of one training iteration (Horovod/BytePS pattern; BytePS-Compress, Zhong 
 4. The wrapped optimizer's ``step`` runs on the averaged gradient. Every worker received the same
    bytes, so replicas stay identical without broadcasting parameters after step 0.
 
+With ``warmup_steps=N`` the first N optimizer steps push_pull every gradient uncompressed (under
+the tensor's name plus ``"@dense"``, so the compressed keys and their residuals start fresh at
+step N), as 1-bit Adam's full-precision warm-up does (Tang et al. 2021); see
+``docs/convergence.md`` for what it buys CLAN.
+
 With ``torch.amp.GradScaler``, follow the Horovod recipe::
 
     scaler.scale(loss).backward()
@@ -47,7 +52,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
         compression: str | Mapping[str, Any] | CodecSpec | None = "none", ef: str | None = None,
         momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
-        backward_passes_per_step: int = 1, nan_policy: str = "raise") -> torch.optim.Optimizer:
+        backward_passes_per_step: int = 1, nan_policy: str = "raise",
+        warmup_steps: int = 0) -> torch.optim.Optimizer:
     """Return ``optimizer`` turned into a distributed one (same class name, a subclass of it).
 
     Args:
@@ -65,6 +71,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             before one push_pull (not divided: scale the loss if you want a mean).
         nan_policy: ``"raise"`` (non-finite gradients are an error) or ``"skip"`` (the step is
             skipped on all workers; use this with AMP).
+        warmup_steps: the first this many ``step()`` calls communicate uncompressed gradients;
+            compression (and error feedback) starts after them.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "
@@ -73,8 +81,12 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     obj = cls.__new__(cls)
     obj.__dict__.update(optimizer.__dict__)  # keep hyperparameters, state and param groups
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     obj._gp_init(named_parameters, compression, ef, momentum, mu, min_compress_bytes,
                  backward_passes_per_step, nan_policy)
+    obj._gp_warmup = warmup_steps
+    obj._gp_steps = 0
     return obj
 
 
@@ -138,6 +150,10 @@ class _Distributed:
         if self._gp_nan == "skip" and not bool(torch.isfinite(grad).all()):
             self._gp_nonfinite = True
             grad = torch.zeros_like(grad)
+        if self._gp_steps < self._gp_warmup:  # uncompressed warm-up: separate dense keys
+            self._gp_handles[p] = api.push_pull_async(
+                grad, self._gp_names[p] + "@dense", average=True, compression="none")
+            return
         self._gp_handles[p] = api.push_pull_async(
             grad, self._gp_names[p], average=True, compression=self._gp_spec,
             lr=self._gp_lr[p]["lr"], min_compress_bytes=self._gp_min_bytes)
@@ -190,9 +206,37 @@ class _Distributed:
         """Synchronize (unless inside :meth:`skip_synchronize`) and step the wrapped optimizer."""
         if not self._gp_skip_sync:
             self.synchronize()
+        self._gp_steps += 1
         if self._gp_skipped:  # step 3: agreed skip
             return None
         return super(self.__class__, self).step(closure)  # step 4
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state plus, under ``"gradpress"``, this worker's codec state
+        of its tensors (error-feedback residuals, momentum, step counters; per worker).
+
+        :func:`~gradpress.torch.broadcast.broadcast_optimizer_state` leaves that part out, so
+        per-worker residuals are never overwritten by another worker's. After
+        ``gradpress.shutdown()`` (no codec state left) only the wrapped optimizer's state remains.
+        """
+        from .. import api
+
+        state = super(self.__class__, self).state_dict()
+        if api.is_initialized():
+            names = set(self._gp_names.values()) | {_FLAG_NAME}
+            state["gradpress"] = api.worker_state_dict(names)
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load :meth:`state_dict` output; the ``"gradpress"`` part (if present) restores this
+        worker's codec state (save and load each worker's own state dict)."""
+        from .. import api
+
+        state = dict(state_dict)
+        codec_state = state.pop("gradpress", None)
+        super(self.__class__, self).load_state_dict(state)
+        if codec_state is not None:
+            api.load_worker_state_dict(codec_state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._gp_handles:

@@ -27,6 +27,11 @@ inf was present), so the non-finite check is fused into the same pass.
 
 Decode-accumulate (``acc += alpha * value``) converts on the fly without a dense temporary; a
 plain decode uses torch's vectorized conversion, which already runs at memory bandwidth.
+
+Error feedback (:func:`encode_ef`): one pass computes ``p`` (:mod:`.common`), its 16-bit
+pattern by the same element conversion as the encoders, and the residual ``p + (-1) * value``
+by the same conversion back as the decode-add kernels, so it is bit-identical to encode then
+decode-add on a stored ``p``.
 """
 
 from __future__ import annotations
@@ -37,10 +42,31 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["encode_fp16", "encode_bf16", "decode_add_fp16", "decode_add_bf16", "fp16_impl"]
+from .common import bits_f32, ef_p, f32_bits
+
+__all__ = ["encode_fp16", "encode_bf16", "decode_add_fp16", "decode_add_bf16", "fp16_impl",
+           "encode_ef"]
 
 _U = np.uint32
 _EXP = 0x7F800000
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _h_fp16_int(v: np.uint32) -> np.uint16:
+    """fp16 bits of the float32 with bits ``v``, steps 1-4 of the module docstring."""
+    # 1. magnitude bits, sign to bit 15
+    a = _U(v & _U(0x7FFFFFFF))
+    sign = _U(_U(v >> _U(16)) & _U(0x8000))
+    # 2. normal: rebias by -112 << 23 (mod 2**32), round half to even on bit 13
+    odd = _U(_U(a >> _U(13)) & _U(1))
+    nrm = _U(_U(_U(a + _U(0xC8000FFF)) + odd) >> _U(13))
+    # 3. subnormal: the float add rounds to a multiple of 2**-24
+    f = np.float32(bits_f32(a) + np.float32(0.5))
+    sub = _U(f32_bits(f) - _U(0x3F000000))
+    # 4. overflow / inf / NaN
+    big = _U(0x7E00) if a > _U(_EXP) else _U(0x7C00)
+    r = big if a >= _U(0x47800000) else (sub if a < _U(0x38800000) else nrm)
+    return np.uint16(_U(r | sign))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -49,21 +75,18 @@ def _enc_fp16_int(x: np.ndarray, h: np.ndarray) -> np.uint32:
     m = _U(0)
     for i in range(u.shape[0]):
         v = u[i]
-        # 1. magnitude bits, sign to bit 15, running max of the exponent field
-        a = _U(v & _U(0x7FFFFFFF))
-        m = max(m, _U(a & _U(_EXP)))
-        sign = _U(_U(v >> _U(16)) & _U(0x8000))
-        # 2. normal: rebias by -112 << 23 (mod 2**32), round half to even on bit 13
-        odd = _U(_U(a >> _U(13)) & _U(1))
-        nrm = _U(_U(_U(a + _U(0xC8000FFF)) + odd) >> _U(13))
-        # 3. subnormal: the float add rounds to a multiple of 2**-24
-        f = np.float32(np.uint32(a).view(np.float32) + np.float32(0.5))
-        sub = _U(np.float32(f).view(np.uint32) - _U(0x3F000000))
-        # 4. overflow / inf / NaN
-        big = _U(0x7E00) if a > _U(_EXP) else _U(0x7C00)
-        r = big if a >= _U(0x47800000) else (sub if a < _U(0x38800000) else nrm)
-        h[i] = np.uint16(_U(r | sign))
+        m = max(m, _U(v & _U(_EXP)))  # running max of the exponent field
+        h[i] = _h_fp16_int(v)
     return m
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _h_bf16(v: np.uint32) -> np.uint16:
+    """bf16 bits of the float32 with bits ``v`` (nearest even; NaN canonical, signed)."""
+    a = _U(v & _U(0x7FFFFFFF))
+    r = _U(_U(_U(v + _U(0x7FFF)) + _U(_U(v >> _U(16)) & _U(1))) >> _U(16))
+    nan = _U(_U(_U(v >> _U(16)) & _U(0x8000)) | _U(0x7FC0))
+    return np.uint16(nan if a > _U(_EXP) else r)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -72,11 +95,8 @@ def _enc_bf16(x: np.ndarray, h: np.ndarray) -> np.uint32:
     m = _U(0)
     for i in range(u.shape[0]):
         v = u[i]
-        a = _U(v & _U(0x7FFFFFFF))
-        m = max(m, _U(a & _U(_EXP)))
-        r = _U(_U(_U(v + _U(0x7FFF)) + _U(_U(v >> _U(16)) & _U(1))) >> _U(16))
-        nan = _U(_U(_U(v >> _U(16)) & _U(0x8000)) | _U(0x7FC0))
-        h[i] = np.uint16(nan if a > _U(_EXP) else r)
+        m = max(m, _U(v & _U(_EXP)))
+        h[i] = _h_bf16(v)
     return m
 
 
@@ -124,16 +144,21 @@ def _f16_bits_to_f32(typingctx, h):  # type: ignore[no-untyped-def]
     return types.float32(types.uint16), codegen
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _h_fp16_hw(x: np.float32) -> np.uint16:
+    """fp16 bits of ``x`` by the hardware conversion; NaN canonical with the input's sign."""
+    v = f32_bits(x)
+    nan = np.uint16(_U(_U(_U(v >> _U(16)) & _U(0x8000)) | _U(0x7E00)))
+    return nan if _U(v & _U(0x7FFFFFFF)) > _U(_EXP) else _f32_to_f16_bits(x)
+
+
 @numba.njit(cache=True, nogil=True)
 def _enc_fp16_hw(x: np.ndarray, h: np.ndarray) -> np.uint32:
     u = x.view(np.uint32)
     m = _U(0)
     for i in range(u.shape[0]):
-        v = u[i]
-        a = _U(v & _U(0x7FFFFFFF))
-        m = max(m, _U(a & _U(_EXP)))
-        nan = np.uint16(_U(_U(_U(v >> _U(16)) & _U(0x8000)) | _U(0x7E00)))
-        h[i] = nan if a > _U(_EXP) else _f32_to_f16_bits(x[i])
+        m = max(m, _U(u[i] & _U(_EXP)))
+        h[i] = _h_fp16_hw(x[i])
     return m
 
 
@@ -143,7 +168,66 @@ def _dec_add_fp16_hw(h: np.ndarray, acc: np.ndarray, alpha: np.float32) -> None:
         acc[i] += alpha * _f16_bits_to_f32(h[i])
 
 
-_FP16 = {"hw": (_enc_fp16_hw, _dec_add_fp16_hw), "int": (_enc_fp16_int, _dec_add_fp16_int)}
+# -- error feedback: encode p, residual p + alpha * decoded, one pass ------------------------------
+@numba.njit(cache=True, nogil=True, inline="always")
+def _enc_one(p, kind):  # type: ignore[no-untyped-def]
+    """16-bit pattern of float32 ``p``; kind 0: bf16, 1: fp16 (hardware), 2: fp16 (integer)."""
+    if kind == 0:
+        return _h_bf16(f32_bits(p))
+    if kind == 1:
+        return _h_fp16_hw(p)
+    return _h_fp16_int(f32_bits(p))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _dec_one(hv, kind):  # type: ignore[no-untyped-def]
+    """float32 value of the 16-bit pattern ``hv``, exactly as the decode-add kernels compute it."""
+    if kind == 0:
+        return bits_f32(_U(_U(hv) << _U(16)))
+    if kind == 1:
+        return _f16_bits_to_f32(hv)
+    return bits_f32(_fp16_to_fp32_bits(_U(hv)))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _cast_ef(g, e, r, mode, h, alpha, res, inplace, kind):  # type: ignore[no-untyped-def]
+    """``h = enc(p)`` and ``res = p + alpha * dec(h)`` (into ``e`` when ``inplace``) in one pass,
+    ``p`` from :func:`.common.ef_p`; returns the max exponent field of ``p``."""
+    m = _U(0)
+    if inplace:
+        for i in range(g.shape[0]):
+            p = ef_p(g, e, r, mode, i)
+            m = max(m, _U(f32_bits(p) & _U(_EXP)))
+            hv = _enc_one(p, kind)
+            h[i] = hv
+            e[i] = p + alpha * _dec_one(hv, kind)
+    else:
+        for i in range(g.shape[0]):
+            p = ef_p(g, e, r, mode, i)
+            m = max(m, _U(f32_bits(p) & _U(_EXP)))
+            hv = _enc_one(p, kind)
+            h[i] = hv
+            res[i] = p + alpha * _dec_one(hv, kind)
+    return m
+
+
+@numba.njit(cache=True, nogil=True)
+def _ef_bf16(g, e, r, mode, h, alpha, res, inplace):  # type: ignore[no-untyped-def]
+    return _cast_ef(g, e, r, mode, h, alpha, res, inplace, 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _ef_fp16_hw(g, e, r, mode, h, alpha, res, inplace):  # type: ignore[no-untyped-def]
+    return _cast_ef(g, e, r, mode, h, alpha, res, inplace, 1)
+
+
+@numba.njit(cache=True, nogil=True)
+def _ef_fp16_int(g, e, r, mode, h, alpha, res, inplace):  # type: ignore[no-untyped-def]
+    return _cast_ef(g, e, r, mode, h, alpha, res, inplace, 2)
+
+
+_FP16 = {"hw": (_enc_fp16_hw, _dec_add_fp16_hw, _ef_fp16_hw),
+         "int": (_enc_fp16_int, _dec_add_fp16_int, _ef_fp16_int)}
 _fp16_choice: list[str] = []
 
 
@@ -184,3 +268,15 @@ def encode_fp16(x: np.ndarray, h: np.ndarray) -> bool:
 def encode_bf16(x: np.ndarray, h: np.ndarray) -> bool:
     """Round float32 ``x`` to bf16 bit patterns in uint16 ``h``; False if ``x`` had NaN/inf."""
     return x.shape[0] == 0 or int(_enc_bf16(x, h)) != _EXP
+
+
+def encode_ef(dtype: str, g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, h: np.ndarray,
+              res: np.ndarray | None) -> bool:
+    """Error feedback in one pass: ``h`` = the ``dtype`` (``"fp16"``/``"bf16"``) bit patterns of
+    ``p`` (:func:`.common.ef_p` of ``g, e, r, mode``) and ``res = p - decoded`` (into ``e`` when
+    ``res`` is None), with the arithmetic of the decode-add kernels (``p + (-1) * decoded``).
+    Returns False if ``p`` had a NaN/inf (everything is written regardless)."""
+    kernel = _ef_bf16 if dtype == "bf16" else _FP16[fp16_impl()][2]
+    inplace = res is None
+    m = kernel(g, e, r, mode, h, np.float32(-1.0), e if inplace else res, inplace)
+    return g.shape[0] == 0 or int(m) != _EXP

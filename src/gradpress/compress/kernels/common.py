@@ -1,11 +1,30 @@
-"""Kernels shared by several codecs."""
+"""Kernels shared by several codecs: the non-finite scan, float32 bit casts, and the error-feedback
+input ``p`` that the fused error-feedback kernels compute on the fly.
+
+Error-feedback input (:class:`gradpress.compress.ef.ErrorFeedback`): every kernel that takes
+``(g, e, r, mode)`` reads element ``i`` of ``p`` as :func:`ef_p` defines it, so the fused kernels
+(which never store ``p``) and the unfused path (which stores it with :func:`fill_p`) see the very
+same float32 values:
+
+* ``mode == MODE_P`` (0): ``p = g`` (``e`` and ``r`` unused; the codec's ``_encode_ef`` hook);
+* ``mode == MODE_ADD`` (1): ``p = g + e``, one float32 addition (vanilla EF, or a ratio of 1);
+* ``mode == MODE_SCALED`` (2): ``p = g + float32(r * e)``, a float32 product then a float32
+  addition, two roundings, never fused into an FMA (numba does not contract without fastmath).
+"""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = ["all_finite", "f32_bits", "bits_f32", "ef_p", "ef_args", "fill_p", "MODE_P",
+           "MODE_ADD", "MODE_SCALED"]
 
 _EXP = np.uint32(0x7F800000)
+MODE_P, MODE_ADD, MODE_SCALED = 0, 1, 2
 
 
 @numba.njit(cache=True, nogil=True)
@@ -23,3 +42,56 @@ def all_finite(x: np.ndarray) -> bool:
     if x.shape[0] == 0:
         return True
     return bool(_max_exponent(x.view(np.uint32)) != _EXP)
+
+
+@intrinsic
+def f32_bits(typingctx, x):  # type: ignore[no-untyped-def]
+    """The IEEE-754 bits of a float32 as uint32 (an LLVM bitcast; no memory round trip)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def bits_f32(typingctx, u):  # type: ignore[no-untyped-def]
+    """The float32 whose IEEE-754 bits are the uint32 ``u`` (an LLVM bitcast)."""
+    if u != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def ef_p(g, e, r, mode, i):  # type: ignore[no-untyped-def]
+    """Element ``i`` of the error-feedback input ``p`` (see the module docstring). ``mode`` is
+    loop-invariant in every caller, so LLVM unswitches the branches out of the loops."""
+    if mode == MODE_P:
+        return g[i]
+    if mode == MODE_ADD:
+        return g[i] + e[i]
+    return g[i] + r * e[i]
+
+
+def ef_args(ratio: float) -> tuple[np.float32, int]:
+    """``(r, mode)`` for the kernels: ``p = g + e`` when ``ratio == 1``, else ``g + r * e``."""
+    return np.float32(ratio), (MODE_ADD if ratio == 1.0 else MODE_SCALED)
+
+
+@numba.njit(cache=True, nogil=True)
+def fill_p(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, out: np.ndarray,
+           inplace: bool) -> None:
+    """Store ``p`` (see :func:`ef_p`) into ``out``, or into ``e`` itself when ``inplace`` (written
+    as ``e[i] = f(g[i], e[i])`` so LLVM sees the same array and vectorizes without alias checks)."""
+    if inplace:
+        for i in range(g.shape[0]):
+            e[i] = ef_p(g, e, r, mode, i)
+    else:
+        for i in range(g.shape[0]):
+            out[i] = ef_p(g, e, r, mode, i)

@@ -26,18 +26,23 @@ integer lanes) writes codes to an L1-resident scratch, a pack loop (specialised 
 writes the bytes. Decoding is one table lookup per element, ``table[code]`` = sign * level * norm
 (times alpha for decode-add), straight from the bytes for b = 2, 4, 8, else via a block of
 unpacked codes.
+
+Error feedback, two passes: the norm of ``p = g + e`` (:mod:`.common`) computed on the fly
+(:func:`max_abs_ef`, :func:`sumsq_lanes_ef`: same order, same value as on a stored ``p``), then
+:func:`encode_ef`: per block, ``p`` is stored over ``e``, quantized by the same block kernels and
+the decode-add table (alpha = -1) added in place, as :func:`decode_add` would.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
+
+from .common import MODE_P, ef_p, f32_bits, fill_p
 
 __all__ = ["BLOCK", "LANES", "hash32", "hash32_np", "max_abs_bits", "sumsq_lanes",
-           "encode_linear", "encode_natural", "decode", "decode_add"]
+           "encode_linear", "encode_natural", "decode", "decode_add", "sumsq_lanes_ef",
+           "max_abs_ef", "encode_ef"]
 
 BLOCK = 4096  # elements per block; a multiple of 8 (blocks start on a byte) dividing 2**32
 LANES = 8  # independent float64 partial sums of the l2 norm (fixed order, reproduced by torch)
@@ -53,18 +58,6 @@ _MAG = np.uint32(0x7FFFFFFF)
 _MANT = np.uint32(0x007FFFFF)
 _INV24 = np.float32(2.0 ** -24)
 _ONE = np.float32(1.0)
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """The IEEE-754 bits of a float32 as uint32 (an LLVM bitcast; no memory round trip)."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -103,20 +96,37 @@ def max_abs_bits(xb: np.ndarray) -> np.uint32:
 
 
 @numba.njit(cache=True, nogil=True)
-def sumsq_lanes(x: np.ndarray) -> np.ndarray:
-    """``LANES`` float64 partial sums of x**2, lane ``j`` summing elements ``i % LANES == j`` in
-    index order (squares of float32 are exact in float64; the sum is non-finite iff x is)."""
+def sumsq_lanes_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
+    """``LANES`` float64 partial sums of p**2 (``p`` = :func:`.common.ef_p` of ``g, e, r, mode``),
+    lane ``j`` summing elements ``i % LANES == j`` in index order (squares of float32 are exact in
+    float64; the sum is non-finite iff p is)."""
     acc = np.zeros(LANES, np.float64)
-    n = x.shape[0]
+    n = g.shape[0]
     full = n - n % LANES
-    for g in range(0, full, LANES):
+    for q in range(0, full, LANES):
         for j in range(LANES):
-            v = np.float64(x[g + j])
+            v = np.float64(ef_p(g, e, r, mode, q + j))
             acc[j] += v * v
     for i in range(full, n):
-        v = np.float64(x[i])
+        v = np.float64(ef_p(g, e, r, mode, i))
         acc[i - full] += v * v
     return acc
+
+
+@numba.njit(cache=True, nogil=True)
+def sumsq_lanes(x: np.ndarray) -> np.ndarray:
+    """:func:`sumsq_lanes_ef` of ``p = x``."""
+    return sumsq_lanes_ef(x, x, np.float32(1.0), MODE_P)
+
+
+@numba.njit(cache=True, nogil=True)
+def max_abs_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
+    """:func:`max_abs_bits` of ``p`` (:func:`.common.ef_p`), computed on the fly."""
+    m = np.uint32(0)
+    for i in range(g.shape[0]):
+        a = f32_bits(ef_p(g, e, r, mode, i)) & _MAG
+        m = a if a > m else m
+    return m
 
 
 # -- steps 2-3: quantize a block into codes -----------------------------------------------------
@@ -312,3 +322,30 @@ def decode(body, b, table, out):
 def decode_add(body, b, table, acc):
     """``acc[i] += table[code_i]`` (the caller scales ``table`` by alpha)."""
     _decode(body, b, table, acc, True)
+
+
+@numba.njit(cache=True, nogil=True)
+def encode_ef(g, e, r, mode, out, b, s, natural, pre, scale, k0, k1, table, res,
+              inplace):  # type: ignore[no-untyped-def]
+    """Error feedback's pass 2 (after the norm of ``p`` is known, finite and non-zero): per block,
+    store ``p`` (:func:`.common.ef_p`) where the residual goes (``e`` itself when ``inplace``,
+    else ``res``), quantize and pack it as :func:`encode_linear` / :func:`encode_natural` do, then
+    add ``table[code]`` (``table`` = the decode-add table for alpha = -1), exactly the arithmetic
+    of :func:`decode_add`."""
+    codes = np.empty(BLOCK, np.uint8)
+    tmp = np.zeros(BLOCK, np.uint8)
+    sbit = np.int32(1 << (b - 1))
+    for start in range(0, g.shape[0], BLOCK):
+        m = min(BLOCK, g.shape[0] - start)
+        k1b = np.uint32(k1 ^ np.uint32((start >> 32) * 0x9E3779B9 & 0xFFFFFFFF))
+        gb = g[start:start + m]
+        eb = e[start:start + m]
+        p = eb if inplace else res[start:start + m]
+        fill_p(gb, eb, r, mode, p, inplace)
+        if natural:
+            _quantize_natural(p, p.view(np.uint32), start, codes, sbit, s, pre, scale, k0, k1b)
+        else:
+            _quantize_linear(p, p.view(np.uint32), start, codes, sbit, s, pre, scale, k0, k1b)
+        _store(codes, m, b, out, start // 8 * b, tmp)
+        for j in range(m):
+            p[j] += table[codes[j]]

@@ -22,6 +22,16 @@ for bit with torch ops on any device. Since a float64 sum of float32 magnitudes 
 ``total`` is finite exactly when every input is: the non-finite check costs nothing extra.
 
 Decoding writes ``scale`` with the sign bit of each element's bit (``-scale`` for 1).
+
+Error feedback (:class:`gradpress.compress.ef.ErrorFeedback`), two passes, ``p`` never stored:
+
+1. :func:`encode_ef` is :func:`encode` of ``p = g + e`` (or ``g + r * e``, see
+   :mod:`.common`), computed element by element in the same loops, so the sum and the scale are
+   bit-identical to encoding a stored ``p``; its non-finite total rejects ``p`` before any
+   residual is written.
+2. :func:`residual_ef` recomputes ``p`` and writes ``p + v'`` over ``e`` (``v = float32(-1 *
+   scale)``, ``v'`` = ``v`` with ``p``'s sign bit flipped in): the arithmetic of
+   :func:`decode_add` with ``alpha = -1`` on a stored ``p``.
 """
 
 from __future__ import annotations
@@ -30,14 +40,17 @@ import numba
 import numpy as np
 import torch
 
-__all__ = ["LANES", "ROWS", "BLOCK", "encode", "decode", "decode_add", "abs_sum_torch",
-           "read_scale"]
+from .common import MODE_P, bits_f32, ef_p, f32_bits
+
+__all__ = ["LANES", "ROWS", "BLOCK", "encode", "encode_ef", "residual_ef", "decode", "decode_add",
+           "abs_sum_torch", "read_scale"]
 
 LANES = 256
 ROWS = 16
 BLOCK = LANES * ROWS
 _U = np.uint32
 _CANONICAL_NAN = 0x7FC00000
+_SIGN = np.uint32(0x80000000)
 # Reading 8 sign bytes (0/1) as one little-endian uint64 t = sum_j s_j 2**(8j), the product
 # t * _GATHER holds sum_j s_j 2**(56+j) in its top byte: the partial products are distinct powers
 # of two, so nothing carries. A vectorizable multiply-shift instead of 8 shifts and ORs.
@@ -72,35 +85,35 @@ def _get_scale_bits(body: np.ndarray, at: int) -> np.uint32:
 
 
 @numba.njit(cache=True, nogil=True)
-def _tail_block(x: np.ndarray, u: np.ndarray, body: np.ndarray, first: int, acc: np.ndarray,
-                signs: np.ndarray, s64: np.ndarray) -> float:
-    """Steps 1-2 for the last, incomplete block ``x[first:]`` (missing elements: +0.0, bit 0)."""
-    n = x.shape[0]
+def _tail_block(g, e, r, mode, body, first, acc, signs, s64):  # type: ignore[no-untyped-def]
+    """Steps 1-2 for the last, incomplete block ``p[first:]`` (missing elements: +0.0, bit 0)."""
+    n = g.shape[0]
     acc[:] = 0.0
     for base in range(first, n, LANES):
         c = min(LANES, n - base)
         signs[:] = 0
         for j in range(c):
-            acc[j] += np.float64(abs(x[base + j]))
-            signs[j] = np.uint8(_U(u[base + j] >> _U(31)))
+            v = ef_p(g, e, r, mode, base + j)
+            acc[j] += np.float64(abs(v))
+            signs[j] = np.uint8(f32_bits(v) >> _U(31))
         for k in range((c + 7) // 8):
             body[base // 8 + k] = np.uint8((s64[k] * _GATHER) >> np.uint64(56))
     return _fold(acc, LANES)
 
 
 @numba.njit(cache=True, nogil=True)
-def encode(x: np.ndarray, body: np.ndarray, scaling: bool) -> float:
-    """Pack the signs of float32 ``x`` and the scale into ``body``; return the float64 |x| sum.
+def encode_ef(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, body: np.ndarray,
+              scaling: bool) -> float:
+    """Pack the signs of ``p`` (:func:`.common.ef_p` of ``g, e, r, mode``) and the scale into
+    ``body``; return the float64 |p| sum, non-finite exactly when ``p`` holds a NaN or an inf.
 
-    The return value is non-finite exactly when ``x`` holds a NaN or an infinity.
-    """
-    n = x.shape[0]
-    u = x.view(np.uint32)
+    ``p`` is computed on the fly and never stored (error feedback's pass 1)."""
+    n = g.shape[0]
     nblk = (n + BLOCK - 1) // BLOCK
-    p = 1
-    while p < nblk:
-        p *= 2
-    sums = np.zeros(p)
+    q = 1
+    while q < nblk:
+        q *= 2
+    sums = np.zeros(q)
     acc = np.empty(LANES)
     signs = np.empty(LANES, np.uint8)  # one sign byte (0/1) per element of the row
     s64 = signs.view(np.uint64)
@@ -111,20 +124,52 @@ def encode(x: np.ndarray, body: np.ndarray, scaling: bool) -> float:
             base = row * LANES
             # 1. lane-wise float64 accumulation and the row's sign bytes (vectorized) ...
             for j in range(LANES):
-                acc[j] += np.float64(abs(x[base + j]))
-                signs[j] = np.uint8(_U(u[base + j] >> _U(31)))
+                v = ef_p(g, e, r, mode, base + j)
+                acc[j] += np.float64(abs(v))
+                signs[j] = np.uint8(f32_bits(v) >> _U(31))
             # ... gathered 8 per byte by a multiply-shift (see _GATHER)
             for k in range(LANES // 8):
                 body[row * (LANES // 8) + k] = np.uint8((s64[k] * _GATHER) >> np.uint64(56))
         # 2. fold the lanes into the block sum
         sums[b] = _fold(acc, LANES)
     if nfull < nblk:
-        sums[nfull] = _tail_block(x, u, body, nfull * BLOCK, acc, signs, s64)
-    # 3. fold the block sums (zero-padded to p); 4. the scale after the bits
-    total = _fold(sums, p)
+        sums[nfull] = _tail_block(g, e, r, mode, body, nfull * BLOCK, acc, signs, s64)
+    # 3. fold the block sums (zero-padded to q); 4. the scale after the bits
+    total = _fold(sums, q)
     scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
     _put_scale(body, (n + 7) // 8, scale)
     return total
+
+
+@numba.njit(cache=True, nogil=True)
+def encode(x: np.ndarray, body: np.ndarray, scaling: bool) -> float:
+    """Pack the signs of float32 ``x`` and the scale into ``body``; return the float64 |x| sum.
+
+    The return value is non-finite exactly when ``x`` holds a NaN or an infinity.
+    """
+    return encode_ef(x, x, np.float32(1.0), MODE_P, body, scaling)
+
+
+@numba.njit(cache=True, nogil=True)
+def residual_ef(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, body: np.ndarray,
+                alpha: np.float32, res: np.ndarray, inplace: bool) -> None:
+    """``res = p + alpha * decode(body)`` with ``p`` recomputed on the fly (error feedback's pass
+    2, after :func:`encode_ef` wrote ``body``), written into ``e`` itself when ``inplace``.
+
+    The arithmetic is that of :func:`decode_add` on a stored ``p``: ``v = float32(alpha *
+    scale)``, then ``p + (v with the sign flipped where p's sign bit is set)``; the sign bit of
+    ``p`` is the bit :func:`encode_ef` stored, so the body bits need not be read back."""
+    n = g.shape[0]
+    v = np.float32(alpha * bits_f32(_get_scale_bits(body, (n + 7) // 8)))
+    vb = f32_bits(v)
+    if inplace:
+        for i in range(n):
+            p = ef_p(g, e, r, mode, i)
+            e[i] = p + bits_f32(_U(vb ^ _U(f32_bits(p) & _SIGN)))
+    else:
+        for i in range(n):
+            p = ef_p(g, e, r, mode, i)
+            res[i] = p + bits_f32(_U(vb ^ _U(f32_bits(p) & _SIGN)))
 
 
 @numba.njit(cache=True, nogil=True)

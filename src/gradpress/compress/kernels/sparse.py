@@ -4,10 +4,12 @@ Top-k selection (used by ``topk``), after the sampled-threshold idea of Deep Gra
 (Lin et al., ICLR 2018, "Deep Gradient Compression", sec. 3.1 / "sampling to reduce top-k
 selection time"), made exact:
 
-1. Draw a deterministic stratified sample of ``SAMPLE`` magnitudes (one jittered position per
-   stratum) and take its ``r``-th largest as a threshold ``t``, with ``r`` a few standard
-   deviations above the expected number of sampled top-k elements, so that with high probability
-   at least ``kk`` elements reach ``t``.
+1. Draw a deterministic stratified sample of ``n / 128`` magnitudes (at least ``SAMPLE_MIN``,
+   at most ``SAMPLE``; one jittered position per stratum, the stratum bounds stepped without a
+   division) and take its ``r``-th largest as a threshold ``t``, with ``r`` four standard
+   deviations (plus 4) above the expected number of sampled top-k elements, so that with high
+   probability at least ``kk`` elements reach ``t``. The sample only sets the speed: any ``t``
+   gives the same, exact result.
 2. One pass over the data: per block of ``BLOCK`` elements a vectorised max of the magnitude bits
    (which also yields the global maximum, hence the NaN/inf check for free); only blocks whose max
    reaches ``t`` are rescanned for candidates ``|x| >= t`` (index + magnitude).
@@ -43,12 +45,13 @@ import numpy as np
 import torch
 
 __all__ = ["stream_words", "randomk_positions", "randomk_positions_torch", "randomk_gather",
-           "topk_select", "gather", "scatter", "MAG_MASK", "EXP_BITS"]
+           "topk_select", "sample_positions", "gather", "scatter", "MAG_MASK", "EXP_BITS"]
 
 MAG_MASK = np.uint32(0x7FFFFFFF)
 EXP_BITS = 0x7F800000
 BLOCK = 64
 SAMPLE = 1 << 15
+SAMPLE_MIN = 1 << 12
 FULL_MAX = 1 << 16
 _M32 = np.uint64(0xFFFFFFFF)
 _C1 = np.uint64(0x7FEB352D)
@@ -254,14 +257,49 @@ def _radix_kth(bits: np.ndarray, kk: int) -> tuple[np.uint32, int, np.uint32]:
     return np.uint32((b << 16) | j), above, mx
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _sample_size(n: int) -> int:
+    """Step 1's sample size: ``n / 128``, within [SAMPLE_MIN, SAMPLE] (sampling and partitioning
+    cost O(size); a smaller sample only loosens the threshold, never changes the result)."""
+    return min(SAMPLE, max(SAMPLE_MIN, n >> 7))
+
+
 @numba.njit(cache=True, nogil=True)
-def _sample_threshold(bits: np.ndarray, r: int) -> np.uint32:
-    """Step 1: the ``r``-th largest magnitude of a stratified, deterministic sample."""
-    n = bits.shape[0]
-    s = np.empty(SAMPLE, np.uint32)
-    for i in range(SAMPLE):
-        s[i] = bits[_bucket_pos(i, n, SAMPLE, _SAMPLE_S0, _SAMPLE_S1)] & MAG_MASK
-    return np.partition(s, SAMPLE - r)[SAMPLE - r]
+def _sample_positions(n: int, out: np.ndarray) -> None:
+    """Step 1's positions: :func:`randomk_positions` with the stream ``(_SAMPLE_S0, _SAMPLE_S1)``
+    and ``len(out)`` buckets, the bucket bounds ``b * n // ns`` stepped incrementally (no 64-bit
+    division per sample)."""
+    ns = out.shape[0]
+    q, rm = n // ns, n % ns
+    start, frac = 0, 0  # start = b * n // ns, frac = b * n % ns
+    for b in range(ns):
+        frac += rm
+        nxt = start + q
+        if frac >= ns:
+            frac -= ns
+            nxt += 1
+        r = _mix32(_mix32(np.uint64(b) ^ _SAMPLE_S0) ^ _SAMPLE_S1)
+        out[b] = start + np.int64((r * np.uint64(nxt - start)) >> _S32)
+        start = nxt
+
+
+def sample_positions(n: int) -> np.ndarray:
+    """The int64 positions :func:`topk_select` samples in an array of ``n`` (> FULL_MAX)
+    elements (for tests that build adversarial inputs)."""
+    out = np.empty(_sample_size(n), np.int64)
+    _sample_positions(n, out)
+    return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _sample_threshold(bits: np.ndarray, r: int, ns: int) -> np.uint32:
+    """Step 1: the ``r``-th largest magnitude of a stratified, deterministic sample of ``ns``."""
+    pos = np.empty(ns, np.int64)
+    _sample_positions(bits.shape[0], pos)
+    s = np.empty(ns, np.uint32)
+    for i in range(ns):
+        s[i] = bits[pos[i]] & MAG_MASK
+    return np.partition(s, ns - r)[ns - r]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -289,11 +327,12 @@ def topk_select(bits: np.ndarray, out: np.ndarray) -> int:
         return 0
     if n <= FULL_MAX:
         return _select_small(bits, out)
-    e = kk * SAMPLE / n  # expected sampled members of the top-k
-    r = int(e + 4.0 * np.sqrt(e) + 16.0)
-    while r < SAMPLE // 2:
-        t = max(_sample_threshold(bits, r), np.uint32(1))
-        cap = min(n, 2 * (r * n // SAMPLE) + 4096)
+    ns = _sample_size(n)
+    ev = kk * ns / n  # expected sampled members of the top-k
+    r = int(ev + 4.0 * np.sqrt(ev) + 4.0)  # > 4 sigma above: a retry is very rare
+    while r < ns // 2:
+        t = max(_sample_threshold(bits, r, ns), np.uint32(1))
+        cap = min(n, 2 * (r * n // ns) + 4096)
         idx, mag, cnt, mx = _scan(bits, t, cap)  # step 2
         if cnt > cap:
             break  # step 3: too many ties/candidates: radix

@@ -1,0 +1,333 @@
+"""End-to-end training step time on an emulated cluster: gradpress against torch DDP.
+
+Run as root (network namespaces): ``sudo .venv/bin/python benchmarks/cluster.py [--quick]``.
+
+1. **speed** (per model): builds an emulated cluster with ``benchmarks/netem.py`` (one network
+   namespace per host, joined by veth pairs to a bridge, a ``tbf`` at ``--rate`` on both ends of
+   every veth; falls back to one rate-limited namespace when veth/bridge are unavailable) and
+   trains the same model, batch, optimizer and number of steps with every system: torch DDP
+   fp32 (gloo), DDP + ``fp16_compress_hook``, DDP + PowerSGD hook (rank 4), gradpress ``none``,
+   gradpress CLAN ``onebit``, gradpress CLAN ``topk:k=0.001,values=fp16`` and DDP + gradpress's
+   two-way ``onebit`` hook. One worker per host; the gradpress systems add one server per host
+   (``gradpress launch --nnodes N --node-rank R ...`` in each host namespace). The DDP systems
+   are torchrun-style processes (``MASTER_ADDR`` = host 0's address).
+2. **loopback**: gradpress ``none``, ``onebit`` and ``topk`` on the plain loopback of this
+   machine (no namespace, no limit): does the pipeline hide the compression cost?
+3. **scaling**: gradpress ``none`` and ``onebit`` with 2 and 4 workers and 1 and 2 servers in
+   one rate-limited namespace (``gradpress launch`` needs >= 1 server per node, so 1 server
+   implies one node): step time and bytes per worker.
+
+A step is forward, backward and optimizer step; its time is that of the slowest worker; the
+table gives the median over the timed steps (best step in brackets) and speed-ups against DDP
+fp32 measured in the same run. Namespaces are removed afterwards, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cluster_worker import GP_SYSTEMS  # noqa: E402
+
+SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-none", "gp-onebit", "gp-topk",
+           "gp-ddp-hook")
+LABELS = {"ddp-fp32": "DDP fp32 (gloo)", "ddp-fp16": "DDP + fp16 hook",
+          "ddp-powersgd": "DDP + PowerSGD hook (rank 4)", "gp-none": "gradpress none",
+          "gp-onebit": "gradpress CLAN onebit", "gp-topk": "gradpress CLAN topk 0.1% fp16",
+          "gp-ddp-hook": "DDP + gradpress two-way onebit hook"}
+BATCH = {"vgg": 8, "bert": 4}
+PARTS = ("speed", "loopback", "scaling")
+SCALING = ((2, 1), (4, 1), (2, 2), (4, 2))  # (workers, servers)
+
+
+@dataclass(frozen=True)
+class Net:
+    """Where the processes of a job run: one command prefix per host, addresses, device."""
+
+    prefixes: tuple[tuple[str, ...], ...]
+    addresses: tuple[str, ...]
+    device: str
+    what: str
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line arguments (validated; ``--quick`` fills smaller defaults)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="vgg only, 2 warm-up + 3 timed steps")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
+    p.add_argument("--models", help="comma-separated subset of vgg,bert (default both; quick vgg)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="systems of the speed part")
+    p.add_argument("--rate", default="1gbit", help="per-host link rate (tc syntax; 1gbit)")
+    p.add_argument("--hosts", type=int, default=2, help="hosts of the speed part (2)")
+    p.add_argument("--topology", choices=("cluster", "ns"), default="cluster",
+                   help="per-host namespaces (cluster) or one rate-limited namespace (ns)")
+    p.add_argument("--optimizer", choices=("clan", "sgd"), default="clan",
+                   help="optimizer of every system (clan: LANS without normalisation)")
+    p.add_argument("--batch", type=int, help="per-worker batch (vgg 8, bert 4)")
+    p.add_argument("--warmup", type=int, help="untimed steps (3; quick 2)")
+    p.add_argument("--steps", type=int, help="timed steps (5; quick 3)")
+    p.add_argument("--min-compress-bytes", type=int, default=1 << 20,
+                   help="tensors below this travel uncompressed (1 MiB)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per job (600)")
+    p.add_argument("--json", help="also write the results as JSON to this file")
+    args = p.parse_args(argv)
+    args.models = [m for m in (args.models or ("vgg" if args.quick else "vgg,bert")).split(",")
+                   if m]
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.parts = [s for s in args.parts.split(",") if s]
+    args.warmup = 2 if args.quick and args.warmup is None else 3 if args.warmup is None \
+        else args.warmup
+    args.steps = 3 if args.quick and args.steps is None else 5 if args.steps is None \
+        else args.steps
+    for name, vals, ok in (("--models", args.models, ("vgg", "bert")),
+                           ("--systems", args.systems, SYSTEMS), ("--parts", args.parts, PARTS)):
+        if not vals or set(vals) - set(ok):
+            p.error(f"{name} must be a non-empty subset of {','.join(ok)}, got {vals!r}")
+    for name in ("hosts", "warmup", "steps", "batch"):
+        v = getattr(args, name)
+        if v is not None and v < (0 if name == "warmup" else 1):
+            p.error(f"--{name} must be >= {0 if name == 'warmup' else 1}, got {v}")
+    return args
+
+
+class Driver:
+    """Starts the jobs of every part and reads back their results."""
+
+    def __init__(self, args: argparse.Namespace, out_dir: Path) -> None:
+        self.args, self.out_dir, self.jobs = args, out_dir, 0
+
+    def _cfg(self, name: str, system: str, model: str, device: str) -> Path:
+        a = self.args
+        cfg = {"name": name, "system": system, "model": model, "device": device,
+               "batch": a.batch or BATCH[model], "optimizer": a.optimizer, "warmup": a.warmup,
+               "steps": a.steps, "min_compress_bytes": a.min_compress_bytes,
+               "out_dir": str(self.out_dir)}
+        path = self.out_dir / f"{name}.cfg.json"
+        path.write_text(json.dumps(cfg))
+        return path
+
+    def job(self, net: Net, system: str, model: str, wpn: int = 1, spn: int = 1) -> dict:
+        """Run ``system`` on ``net`` with ``wpn`` workers (and ``spn`` servers) per host."""
+        self.jobs += 1
+        name, port = f"job{self.jobs}-{system}-{model}", str(29500 + self.jobs)
+        worker = [sys.executable, str(HERE / "cluster_worker.py"),
+                  str(self._cfg(name, system, model, net.device))]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": net.device,
+               "GRADPRESS_TIMEOUT": str(int(self.args.timeout)),
+               "GRADPRESS_SECRET": secrets.token_hex(32), "PYTHONPATH": str(HERE)}
+        nodes, procs = len(net.prefixes), []
+        for h, prefix in enumerate(net.prefixes):
+            if system in GP_SYSTEMS:
+                cmd = [*_gradpress_cmd(), "launch", "--nnodes", str(nodes),
+                       "--node-rank", str(h), "--master-addr", net.addresses[0],
+                       "--master-port", port, "--workers-per-node", str(wpn),
+                       "--servers-per-node", str(spn), "--", *worker]
+                procs.append(subprocess.Popen([*prefix, *cmd], env=env, stderr=subprocess.PIPE,
+                                              text=True))
+                continue
+            for local in range(wpn):
+                denv = {**env, "RANK": str(h * wpn + local), "WORLD_SIZE": str(nodes * wpn),
+                        "LOCAL_RANK": str(local), "MASTER_ADDR": net.addresses[0],
+                        "MASTER_PORT": port}
+                procs.append(subprocess.Popen([*prefix, *worker], env=denv,
+                                              stderr=subprocess.PIPE, text=True))
+        self._wait(procs, name)
+        ranks = [json.loads((self.out_dir / f"{name}.rank{r}.json").read_text())
+                 for r in range(nodes * wpn)]
+        return _summary(ranks)
+
+    def _wait(self, procs: list[subprocess.Popen], name: str) -> None:
+        deadline, errors = time.monotonic() + self.args.timeout, []
+        for p in procs:
+            try:
+                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"job {name} did not finish within {self.args.timeout} "
+                                   f"s") from None
+            if p.returncode != 0:
+                errors.append(f"exit {p.returncode}: ...{err[-2500:]}")
+        if errors:
+            raise RuntimeError(f"job {name} failed:\n" + "\n".join(errors))
+
+
+def _gradpress_cmd() -> list[str]:
+    exe = Path(sys.executable).with_name("gradpress")
+    return [str(exe)] if exe.exists() else [
+        sys.executable, "-c", "import sys; from gradpress.cli import main; sys.exit(main())"]
+
+
+def _summary(ranks: list[dict]) -> dict:
+    per_step = [max(r["seconds"][i] for r in ranks) for i in range(len(ranks[0]["seconds"]))]
+    out = {"median_s": statistics.median(per_step), "best_s": min(per_step),
+           "steps_s": per_step, "iface_mb": max(r["iface_bytes"] for r in ranks) / 1e6}
+    if "gp_bytes" in ranks[0]:
+        out["gp_mb"] = max(r["gp_bytes"] for r in ranks) / 1e6
+        out["stage_s"] = ranks[0]["stage_s"]
+    return out
+
+
+# -- networks ------------------------------------------------------------------------------------
+def _cluster_net(stack: object, hosts: int, rate: str, topology: str) -> Net:
+    """An emulated cluster of ``hosts`` (or one rate-limited namespace); registered on ``stack``
+    so it is removed on exit."""
+    import netem
+
+    if topology == "cluster":
+        try:
+            cl = stack.enter_context(netem.emulated_cluster(hosts, rate))  # type: ignore
+            return Net(tuple(tuple(ns.cmd([])) for ns in cl.hosts), cl.addresses, cl.device,
+                       f"{hosts} host namespaces, each with its own {rate} veth link to a bridge")
+        except netem.NetemError as e:
+            print(f"cluster unavailable ({e}); falling back to one namespace", flush=True)
+    ns = stack.enter_context(netem.rate_limited_namespace(rate, tag="cl"))  # type: ignore
+    return Net((tuple(ns.cmd([])),) * hosts, ("127.0.0.1",) * hosts, "lo",
+               f"{hosts} 'hosts' in one namespace sharing a {rate} loopback")
+
+
+LOOPBACK = Net(((),), ("127.0.0.1",), "lo", "plain loopback, no namespace, no limit")
+
+
+# -- parts ---------------------------------------------------------------------------------------
+def part_speed(drv: Driver, net: Net) -> dict:
+    """Part 1: every system on every model; speed-ups against DDP fp32 of the same model."""
+    out = {}
+    for model in drv.args.models:
+        out[model] = {}
+        for system in drv.args.systems:
+            r = drv.job(net, system, model)
+            out[model][system] = r
+            print(f"  {model} {system}: {r['median_s']:.3f} s/step", flush=True)
+    return out
+
+
+def part_loopback(drv: Driver) -> dict:
+    """Part 2: gradpress none/onebit/topk, 2 workers + 2 servers on the plain loopback."""
+    res = {}
+    for system in ("gp-none", "gp-onebit", "gp-topk"):
+        res[system] = drv.job(LOOPBACK, system, "vgg", wpn=2, spn=2)
+        del res[system]["iface_mb"]  # the host's lo also carries other programs' traffic
+        print(f"  loopback {system}: {res[system]['median_s']:.3f} s/step", flush=True)
+    return res
+
+
+def part_scaling(drv: Driver, net: Net) -> dict:
+    """Part 3: 2/4 workers x 1/2 servers, gradpress none and onebit, one namespace."""
+    res = {}
+    for w, s in SCALING:
+        for system in ("gp-none", "gp-onebit"):
+            r = drv.job(net, system, "vgg", wpn=w, spn=s)
+            res[f"{w}x{s}/{system}"] = r
+            print(f"  scaling W={w} S={s} {system}: {r['median_s']:.3f} s/step", flush=True)
+    return res
+
+
+# -- tables --------------------------------------------------------------------------------------
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def speed_table(model: str, res: dict) -> list[str]:
+    base = res.get("ddp-fp32")
+    rows = ["| system | s/step median (best) | speed-up vs DDP fp32 | MB/step on host link "
+            "(rx+tx) | gradpress MB/worker/step |", "|---|---|---|---|---|"]
+    for system, r in res.items():
+        up = f"{base['median_s'] / r['median_s']:.2f}x" if base else "-"
+        gp = f"{r['gp_mb']:.2f}" if "gp_mb" in r else ""
+        rows.append(f"| {LABELS[system]} | {r['median_s']:.3f} ({r['best_s']:.3f}) | {up} | "
+                    f"{r['iface_mb']:.1f} | {gp} |" if "iface_mb" in r else
+                    f"- | {gp} |")
+    return rows
+
+
+def target_rows(speed: dict, loop: dict) -> list[str]:
+    """The issue's targets: onebit >= 8x DDP fp32 and >= 1.5x PowerSGD (vgg, limited link);
+    compressed <= 1.2x none on the plain loopback."""
+    rows = ["| target | measured | result |", "|---|---|---|"]
+    vgg = speed.get("vgg", {})
+    if "gp-onebit" in vgg:
+        one = vgg["gp-onebit"]["median_s"]
+        for other, goal in (("ddp-fp32", 8.0), ("ddp-powersgd", 1.5)):
+            if other in vgg:
+                ratio = vgg[other]["median_s"] / one
+                rows.append(f"| vgg: gradpress onebit >= {goal}x faster than {LABELS[other]} "
+                            f"| {ratio:.2f}x | {_verdict(ratio >= goal)} |")
+    if loop:
+        none = loop["gp-none"]["median_s"]
+        for system in ("gp-onebit", "gp-topk"):
+            ratio = loop[system]["median_s"] / none
+            rows.append(f"| loopback: {LABELS[system]} <= 1.2x gradpress none | {ratio:.2f}x "
+                        f"| {_verdict(ratio <= 1.2)} |")
+    return rows
+
+
+def scaling_table(res: dict) -> list[str]:
+    rows = ["| workers | servers | system | s/step median (best) | MB/worker/step (gp.stats) "
+            "| MB/step through the link |", "|---|---|---|---|---|---|"]
+    for key, r in res.items():
+        ws, system = key.split("/")
+        w, s = ws.split("x")
+        rows.append(f"| {w} | {s} | {LABELS[system]} | {r['median_s']:.3f} ({r['best_s']:.3f}) "
+                    f"| {r['gp_mb']:.2f} | {r['iface_mb']:.1f} |")
+    return rows
+
+
+def machine() -> str:
+    """Cores, CPU model, load average and kernel of this machine."""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), platform.processor())
+    return (f"{os.cpu_count()} cores ({cpu}), load average {os.getloadavg()[0]:.1f}, "
+            f"Linux {platform.release()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the parts, print the tables; exit 1 if a target failed."""
+    from contextlib import ExitStack
+
+    args = parse_args(argv)
+    t0, results, lines = time.perf_counter(), {}, []
+    print(f"cluster benchmark: models {args.models}, optimizer {args.optimizer}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, rate {args.rate}; machine: "
+          f"{machine()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gp-cluster-") as tmp, ExitStack() as stack:
+        drv = Driver(args, Path(tmp))
+        if "speed" in args.parts:
+            net = _cluster_net(stack, args.hosts, args.rate, args.topology)
+            print(f"speed: {net.what}", flush=True)
+            results["speed"] = part_speed(drv, net)
+            for model, res in results["speed"].items():
+                lines += [f"\n{model} at {args.rate} per host ({net.what}):", "",
+                          *speed_table(model, res)]
+        if "loopback" in args.parts:
+            results["loopback"] = part_loopback(drv)
+            lines += ["\nloopback (vgg, 2 workers + 2 servers, no limit):", "",
+                      *speed_table("vgg", results["loopback"])]
+        if "scaling" in args.parts:
+            net = _cluster_net(stack, 1, args.rate, "ns")
+            results["scaling"] = part_scaling(drv, net)
+            lines += [f"\nscaling (vgg, one namespace, {args.rate} loopback):", "",
+                      *scaling_table(results["scaling"])]
+    targets = target_rows(results.get("speed", {}), results.get("loopback", {}))
+    print("\n".join([*lines, "\ntargets:", "", *targets]))
+    print(f"total {time.perf_counter() - t0:.0f} s; load average now {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results},
+                                              indent=1, default=str))
+    return 1 if any(r.endswith("FAIL |") for r in targets) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

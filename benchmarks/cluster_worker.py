@@ -1,0 +1,164 @@
+"""Worker side of ``benchmarks/cluster.py``: one training process of one system.
+
+Started with ``python cluster_worker.py CONFIG.json``, either by ``gradpress launch`` (the
+gradpress systems: the launcher sets the job environment) or directly by the driver with the
+torchrun-style variables ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (the DDP
+systems). Steps:
+
+1. build the model (seeded, identical on every rank) and the optimizer of the config;
+2. wrap them: DDP (gloo) with one of the comm hooks, or ``gp.DistributedOptimizer``;
+3. run ``warmup`` steps, a barrier, then ``steps`` timed steps (forward, backward, optimizer
+   step; each rank has its own fixed batch), recording each step's seconds;
+4. write seconds, the host interface's byte counters over the timed steps (``/proc/net/dev``
+   of this process's network namespace) and, for gradpress, ``gp.stats()`` deltas to
+   ``<out_dir>/<name>.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster_models import build_model, loss_of, make_batch  # noqa: E402
+
+DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-ddp-hook")
+GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk")
+GP_SPECS = {"gp-none": ("none", None), "gp-onebit": ("onebit", "vanilla"),
+            "gp-topk": ("topk:k=0.001,values=fp16", "vanilla")}
+
+
+def iface_bytes(device: str) -> int:
+    """Received + transmitted bytes of ``device`` in this process's network namespace."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == device:
+                fields = rest.split()
+                return int(fields[0]) + int(fields[8])
+    return 0
+
+
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """CLAN (LANS without gradient normalisation; the gradpress recipe) or plain SGD."""
+    if name == "clan":
+        from gradpress.optim import clan
+
+        return clan(params, lr=1e-3)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    raise ValueError(f"optimizer must be 'clan' or 'sgd', got {name!r}")
+
+
+def _ddp(cfg: dict, model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """Step 2 for the DDP systems: init gloo, wrap, register the system's comm hook."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    system = cfg["system"]
+    # PowerSGD issues its second allreduce from a future callback; with gloo, two buckets'
+    # callbacks can issue collectives in different orders on different ranks ("Received data
+    # size doesn't match expected size"), so PowerSGD gets a single bucket.
+    cap = 4096 if system == "ddp-powersgd" else 25
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
+    if system == "ddp-fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif system == "ddp-powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4,
+            start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif system == "gp-ddp-hook":
+        from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+
+        state = TwoWayCompressionState("onebit", "vanilla",
+                                       min_compress_bytes=cfg["min_compress_bytes"])
+        ddp.register_comm_hook(state, two_way_compression_hook)
+    return ddp, dist.barrier
+
+
+def _gradpress(cfg: dict, model: torch.nn.Module,
+               opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+    """Step 2 for the gradpress systems: init, broadcast, wrap the optimizer."""
+    import gradpress as gp
+
+    gp.init()
+    gp.broadcast_parameters(model.state_dict(), root_rank=0)
+    spec, ef = GP_SPECS[cfg["system"]]
+    dopt = gp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   compression=spec, ef=ef,
+                                   min_compress_bytes=cfg["min_compress_bytes"])
+    return dopt, gp.barrier
+
+
+def run(cfg: dict) -> dict:
+    """Steps 1-4 of the module docstring; returns the result written to disk."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank = int(os.environ["RANK"])
+    model = build_model(cfg["model"])
+    opt = make_optimizer(cfg["optimizer"], list(model.parameters()))
+    gp_system = cfg["system"] in GP_SYSTEMS
+    if gp_system:
+        opt, barrier = _gradpress(cfg, model, opt)
+        net = model
+    else:
+        net, barrier = _ddp(cfg, model)
+    data = make_batch(cfg["model"], cfg["batch"], seed=1 + rank)
+    seconds, net0, st0 = [], 0, {}
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        if i == cfg["warmup"]:  # step 3: timed steps start together
+            barrier()
+            net0 = iface_bytes(cfg["device"])
+            st0 = _gp_stats() if gp_system else {}
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss_of(net, cfg["model"], data).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+    res = {"seconds": seconds[cfg["warmup"]:],
+           "iface_bytes": (iface_bytes(cfg["device"]) - net0) / cfg["steps"]}
+    if gp_system:
+        st1 = _gp_stats()
+        res["gp_bytes"] = (st1["bytes_pushed"] + st1["bytes_pulled"]
+                           - st0["bytes_pushed"] - st0["bytes_pulled"]) / cfg["steps"]
+        res["stage_s"] = {k: (st1[k] - st0[k]) / cfg["steps"] for k in st1 if k.endswith("_s")}
+    return res
+
+
+def _gp_stats() -> dict:
+    import gradpress as gp
+
+    return dict(gp.stats())
+
+
+def main(path: str) -> int:
+    """Run the config at ``path`` and write this rank's JSON result next to it."""
+    cfg = json.loads(Path(path).read_text())
+    res = run(cfg)
+    out = Path(cfg["out_dir"]) / f"{cfg['name']}.rank{os.environ['RANK']}.json"
+    out.write_text(json.dumps(res))
+    if cfg["system"] in GP_SYSTEMS:
+        import gradpress as gp
+
+        gp.shutdown()
+    else:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: cluster_worker.py CONFIG.json (started by benchmarks/cluster.py)",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1]))

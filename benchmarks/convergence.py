@@ -1,0 +1,276 @@
+"""Convergence benchmark: codecs x optimizers x seeds through ``gradpress train``, one table.
+
+Usage (each row of ``docs/convergence.md`` prints the command that reproduces it)::
+
+    python benchmarks/convergence.py --tasks digits-cnn --codecs none onebit topk \\
+        --optimizers clan --seeds 0 1 2
+    python benchmarks/convergence.py --tasks stdlib-mlm --codecs onebit --optimizers clan \\
+        --steps 200 --variants base warmup50 corrected chunk16k
+    python benchmarks/convergence.py --quick          # a tiny grid, about two minutes
+    python benchmarks/convergence.py --collect-only   # table from the runs already on disk
+
+Steps:
+
+1. Expand the grid (task x optimizer x codec x variant x seed) into run configurations; each
+   gets a run directory ``OUT/<task>/<label>_s<seed>`` and a ``gradpress train`` command line.
+2. Run every configuration whose directory lacks a completed ``report.json`` (one after the
+   other: each run already uses every core), unless ``--collect-only``.
+3. Read the reports, group the seeds of one configuration, and print (and with ``--md`` write)
+   a markdown table: metric mean +- std over seeds, lr, bytes per step per worker (push, after
+   any uncompressed warm-up), the whole-model ratio measured on the wire, the ratio of the
+   compressed tensors against fp16 (measured: the bytes of the small uncompressed tensors are
+   taken off the measured total), and the command of the first seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Short codec names of the grid -> codec specs (the issue's list).
+CODECS: dict[str, str] = {
+    "none": "none", "fp16": "fp16", "onebit": "onebit",
+    "topk": "topk:k=0.001,values=fp16", "randomk": "randomk:k=0.01",
+    "dithering": "dithering:s=7",
+}
+#: Optimizers behind a gradient codec (``--uncompressed-steps`` applies to them).
+GRADIENT_OPTIMIZERS = ("clan", "lans", "lamb", "adam")
+#: Remedy variants (``--variants``): extra ``gradpress train`` options and environment.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "warmup50": {"args": {"uncompressed-steps": 50}},
+    "warmup100": {"args": {"uncompressed-steps": 100}},
+    "nowarmup": {"args": {"uncompressed-steps": 0}},
+    "corrected": {"args": {"ef": "corrected"}},
+    "noef": {"args": {"ef": "none"}},
+    "chunk16k": {"env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},
+    "chunk64k": {"env": {"GRADPRESS_PARTITION_BYTES": str(64 << 10)}},
+}
+#: Learning rates used unless ``--lr`` is given: (task, optimizer, codec) -> lr; ``*`` matches
+#: any codec. Chosen per method (see docs/convergence.md).
+LRS: dict[tuple[str, str, str], float] = {
+    ("digits-cnn", "clan", "*"): 4e-3, ("digits-cnn", "clan", "topk"): 8e-3,
+    ("digits-cnn", "lans", "*"): 4e-3,
+    ("digits-cnn", "adam", "*"): 1e-3, ("digits-cnn", "onebit-adam", "*"): 1e-3,
+    ("digits-cnn", "sgd-ef", "*"): 3e-3,
+    ("stdlib-mlm", "clan", "*"): 2e-3, ("stdlib-mlm", "lans", "*"): 2e-3,
+    ("stdlib-mlm", "adam", "*"): 1e-3, ("stdlib-mlm", "onebit-adam", "*"): 1e-3,
+    ("stdlib-mlm", "sgd-ef", "*"): 0.1,
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``gradpress train`` run of the grid."""
+
+    task: str
+    optimizer: str
+    codec: str
+    variant: str
+    seed: int
+    lr: float
+    steps: int | None
+    epochs: int | None
+    out: Path
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def group(self) -> tuple[Any, ...]:
+        """Key shared by the seeds of one configuration."""
+        return (self.task, self.optimizer, self.codec, self.variant, self.lr, self.steps,
+                self.epochs)
+
+    def command(self) -> list[str]:
+        """The ``gradpress train`` command line of this run."""
+        cmd = ["gradpress", "train", "--task", self.task, "--optimizer", self.optimizer,
+               "--compression", CODECS[self.codec], "--lr", f"{self.lr:g}"]
+        if self.steps is not None:
+            cmd += ["--steps", str(self.steps)]
+        if self.epochs is not None:
+            cmd += ["--epochs", str(self.epochs)]
+        extra = dict(self.extra)
+        if self.optimizer in GRADIENT_OPTIMIZERS and self.codec != "none":
+            extra.setdefault("uncompressed-steps", 0)  # explicit: the CLI default may change
+        for k, v in extra.items():
+            cmd += [f"--{k}", str(v)]
+        return cmd + ["--seed", str(self.seed), "--no-progress", "--out", str(self.out)]
+
+    def shell(self) -> str:
+        """The command as one shell line (environment first)."""
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return (env + " " if env else "") + shlex.join(self.command())
+
+
+def lr_for(task: str, optimizer: str, codec: str) -> float:
+    """The grid's learning rate of (task, optimizer, codec) from :data:`LRS`."""
+    for key in ((task, optimizer, codec), (task, optimizer, "*")):
+        if key in LRS:
+            return LRS[key]
+    raise ValueError(f"no learning rate for task {task!r}, optimizer {optimizer!r}, codec "
+                     f"{codec!r}; give --lr")
+
+
+def expand(args: argparse.Namespace) -> list[Run]:
+    """Step 1: the grid as runs."""
+    for what, names, valid in (("codec", args.codecs, CODECS), ("variant", args.variants,
+                                                                 VARIANTS)):
+        bad = [n for n in names if n not in valid]
+        if bad:
+            raise ValueError(f"unknown {what}(s) {bad}; valid: {', '.join(valid)}")
+    runs = []
+    for task in args.tasks:
+        for opt in args.optimizers:
+            for codec in args.codecs:
+                for var in args.variants:
+                    lr = args.lr if args.lr is not None else lr_for(task, opt, codec)
+                    v = VARIANTS[var]
+                    label = f"{opt}_{codec}_{var}_lr{lr:g}"
+                    label += f"_st{args.steps}" if args.steps else ""
+                    label += f"_ep{args.epochs}" if args.epochs else ""
+                    for seed in args.seeds:
+                        runs.append(Run(task, opt, codec, var, seed, lr, args.steps,
+                                        args.epochs, Path(args.out) / task / f"{label}_s{seed}",
+                                        dict(v.get("args", {})), dict(v.get("env", {}))))
+    return runs
+
+
+def completed(run: Run) -> dict[str, Any] | None:
+    """The run's report if it completed, else None."""
+    path = run.out / "report.json"
+    if not path.is_file():
+        return None
+    rep = json.loads(path.read_text())
+    return rep if rep.get("status") == "completed" else None
+
+
+def execute(runs: Sequence[Run], dry: bool = False) -> None:
+    """Step 2: run what is not done yet (a failed run is reported and skipped)."""
+    import os
+
+    todo = [r for r in runs if completed(r) is None]
+    for i, r in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {r.shell()}", flush=True)
+        if dry:
+            continue
+        proc = subprocess.run(r.command(), env={**os.environ, **r.env},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            print(f"  failed (exit {proc.returncode}): {proc.stderr[-800:]}", flush=True)
+
+
+def wire(rep: Mapping[str, Any]) -> dict[str, float | None]:
+    """Bytes per step per worker (push, last step) and the measured ratios of one report."""
+    bps, codec = rep["bytes_per_step"], rep.get("codec") or {}
+    push, dense = float(bps["push_last"]), float(bps["dense_fp32"])
+    small = codec.get("model_wire_bytes", 0) - codec.get("compressed_wire_bytes", 0)
+    comp = push - small
+    comp16 = codec.get("compressed_fp32_bytes", 0) / 2
+    return {"push": push, "model_vs_fp32": dense / push if push else None,
+            "comp_vs_fp16": comp16 / comp if codec.get("compressed_tensors") and comp > 0
+            else None}
+
+
+def _fmt(values: Sequence[float], digits: int) -> str:
+    if not values:
+        return "-"
+    m = statistics.fmean(values)
+    s = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{m:.{digits}f} ± {s:.{digits}f} (n={len(values)})"
+
+
+def aggregate(runs: Sequence[Run], reports: Mapping[Path, Mapping[str, Any]]
+              ) -> list[dict[str, Any]]:
+    """Step 3: one row per configuration, seeds pooled (runs without a report are left out)."""
+    groups: dict[tuple[Any, ...], list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    rows = []
+    for key, members in groups.items():
+        reps = [reports[r.out] for r in members if r.out in reports]
+        if not reps:
+            continue
+        metric = reps[0]["metric"]
+        scale = 100.0 if "acc" in metric["name"] else 1.0
+        vals = [scale * float(rep["metric"]["value"]) for rep in reps]
+        w = wire(reps[0])
+        rows.append({"task": key[0], "optimizer": key[1], "codec": key[2], "variant": key[3],
+                     "lr": key[4], "steps": reps[0].get("steps"), "metric": metric["name"],
+                     "values": vals, "mean": statistics.fmean(vals),
+                     "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, **w,
+                     "s_per_step": statistics.fmean(float(r["s_per_step"]) for r in reps),
+                     "command": members[0].shell()})
+    return rows
+
+
+def table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    head = ("| task | optimizer | codec | variant | lr | steps | metric (mean ± std) | "
+            "push B/step | model vs fp32 | compressed vs fp16 | s/step |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        digits = 2 if "acc" in r["metric"] else 4
+        ratio = f"{r['comp_vs_fp16']:.1f}x" if r["comp_vs_fp16"] else "-"
+        model = f"{r['model_vs_fp32']:.1f}x" if r["model_vs_fp32"] else "-"
+        lines.append(f"| {r['task']} | {r['optimizer']} | {r['codec']} | {r['variant']} | "
+                     f"{r['lr']:g} | {r['steps']} | {r['metric']} {_fmt(r['values'], digits)} "
+                     f"| {r['push']:.0f} | {model} | {ratio} | {r['s_per_step']:.3f} |")
+    return "\n".join(lines)
+
+
+def commands(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One reproducing command per row (first seed; change ``--seed`` for the others)."""
+    return "\n".join(f"    {r['command']}" for r in rows)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", nargs="+", default=["digits-cnn"])
+    p.add_argument("--codecs", nargs="+", default=list(CODECS))
+    p.add_argument("--optimizers", nargs="+", default=["clan"])
+    p.add_argument("--variants", nargs="+", default=["base"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--steps", type=int, help="steps per run (default: the task's)")
+    p.add_argument("--epochs", type=int, help="epochs per run (default: the task's)")
+    p.add_argument("--lr", type=float, help="one lr for every run (default: the LRS table)")
+    p.add_argument("--out", default="runs/convergence", help="root of the run directories")
+    p.add_argument("--md", help="also write the table and commands to this markdown file")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny grid: digits-cnn, none/onebit, clan, seed 0, 30 steps")
+    p.add_argument("--collect-only", action="store_true", help="only tabulate existing runs")
+    p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tasks, args.codecs, args.optimizers = ["digits-cnn"], ["none", "onebit"], ["clan"]
+        args.seeds, args.steps, args.variants = [0], args.steps or 30, ["base"]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        runs = expand(args)
+    except ValueError as e:
+        print(f"convergence.py: error: {e}", file=sys.stderr)
+        return 2
+    if not args.collect_only:
+        execute(runs, dry=args.dry_run)
+    reports = {r.out: rep for r in runs if (rep := completed(r)) is not None}
+    rows = aggregate(runs, reports)
+    text = table(rows) + "\n\nCommands (first seed):\n\n" + commands(rows)
+    print(text)
+    if args.md:
+        Path(args.md).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

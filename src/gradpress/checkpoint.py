@@ -1,0 +1,192 @@
+"""Exact checkpoints of a gradpress training job: model, optimizer, and the compression state
+of every worker and server (error-feedback residuals, momentum buffers, step counters), so a
+resumed run continues bit-identically (design brief §3: residuals are state; DeepSpeed resets
+them, we do not). Layout of a checkpoint directory::
+
+    meta.json        format, step, world sizes, compression spec, save tag (written last)
+    worker<r>.pt     per worker: its codec state, RNG state and ``extra``; worker 0 also holds
+                     the model and the wrapped optimizer's state (replicas are identical)
+    server<i>.pt     per server: residuals and step counters of its keys
+
+Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADPRESS_RESUME``)::
+
+    start = 0
+    if gradpress.checkpoint.resume_dir() is not None:
+        start = gradpress.checkpoint.load(gradpress.checkpoint.resume_dir(), model, opt)
+    else:
+        gp.broadcast_parameters(model.state_dict())
+    for step in range(start, total):
+        ...
+        if step % 1000 == 999:
+            gradpress.checkpoint.save("ckpt", model, opt, step + 1)
+
+See ``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import api
+from .ps.state import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
+from .torch.broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+
+__all__ = ["save", "load", "extra", "resume_dir"]
+
+
+def resume_dir() -> str | None:
+    """The directory given to ``gradpress launch --resume`` (``GRADPRESS_RESUME``), or None."""
+    return os.environ.get("GRADPRESS_RESUME") or None
+
+
+def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         step: int, extra: Any = None) -> str:
+    """Write a checkpoint of the job into ``directory``; collective over the workers.
+
+    Steps:
+
+    1. agree on a tag (a fresh id from worker 0) and invalidate the directory's old
+       ``meta.json``;
+    2. every worker writes ``worker<rank>.pt`` atomically (temporary file, then rename):
+       its codec state (every tensor it push_pulled), RNG state and ``extra``; worker 0 adds
+       the model and the optimizer's state (without the per-worker codec part);
+    3. every server writes ``server<i>.pt`` (:func:`gradpress.save_server_state`);
+    4. after a barrier, the first worker of each node writes ``meta.json`` (step, world sizes,
+       spec, tag): a directory without it is not a complete checkpoint.
+
+    Call it after ``optimizer.step()`` (no push_pull in flight), with the same ``directory`` and
+    ``step`` on every worker. ``extra`` is this worker's plain data (tensors, numbers, strings,
+    lists, dicts), returned by :func:`extra`. Returns the absolute directory.
+    """
+    path = _check_args(directory, model, optimizer)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint.save: step must be an int >= 0, got {step!r}")
+    rank, rt = api.rank(), api._rt()
+    tag = broadcast_object(uuid.uuid4().hex if rank == 0 else None)  # step 1
+    path.mkdir(parents=True, exist_ok=True)
+    if api.local_rank() == 0:
+        (path / META_FILE).unlink(missing_ok=True)
+    api.barrier()
+    blob: dict[str, Any] = {"format": FORMAT, "tag": tag, "step": step, "rank": rank,
+                            "engine": api.worker_state_dict(), "rng": _rng_state(),
+                            "extra": extra}
+    if rank == 0:
+        blob["model"] = model.state_dict()
+        blob["optimizer"] = _inner_state(optimizer)
+    atomic_save(blob, worker_file(path, rank))  # step 2
+    rt.worker.server_state("save", str(path), tag)  # step 3
+    api.barrier()
+    if api.local_rank() == 0:  # step 4
+        lay = rt.cluster.layout
+        meta = {"format": FORMAT, "tag": tag, "step": step, "num_workers": lay.num_workers,
+                "num_servers": lay.num_servers, "colocate": lay.colocate, "nnodes": lay.nnodes,
+                "hierarchical": lay.hierarchical, "spec": _spec(optimizer)}
+        _write_json(path / META_FILE, meta)
+    api.barrier()
+    return str(path)
+
+
+def load(directory: str | os.PathLike, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer) -> int:
+    """Restore a checkpoint written by :func:`save`; returns its step. Collective over workers.
+
+    Steps:
+
+    1. read ``meta.json`` and check the world sizes (ValueError naming both otherwise);
+    2. worker 0 loads the model and the optimizer state and broadcasts both to every worker
+       (the per-worker codec state is not broadcast);
+    3. every worker restores its own codec state and RNG state from ``worker<rank>.pt``;
+    4. every server restores its keys (:func:`gradpress.load_server_state`).
+
+    Call it after ``gradpress.init()`` and creating the model and optimizer, before the first
+    training step (with a ``DistributedOptimizer``, before any ``backward``).
+    """
+    path = _check_args(directory, model, optimizer)
+    meta = _check_meta(path)  # step 1
+    rank, rt = api.rank(), api._rt()
+    blob = load_file(worker_file(path, rank), f"worker {rank}")
+    if blob.get("tag") != meta["tag"]:
+        raise ValueError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
+                         f"{blob.get('tag')!r}, meta.json has {meta['tag']!r})")
+    if rank == 0:  # step 2
+        model.load_state_dict(blob["model"])
+        optimizer.load_state_dict(blob["optimizer"])
+    broadcast_parameters(model.state_dict(), root_rank=0)
+    broadcast_optimizer_state(optimizer, root_rank=0)
+    api.load_worker_state_dict(blob["engine"])  # step 3
+    _set_rng_state(blob["rng"])
+    rt.worker.server_state("load", str(path), meta["tag"])  # step 4
+    return int(meta["step"])
+
+
+def extra(directory: str | os.PathLike) -> Any:
+    """The ``extra`` this worker passed to :func:`save` (None if it passed none)."""
+    path = Path(directory).resolve()
+    return load_file(worker_file(path, api.rank()), f"worker {api.rank()}").get("extra")
+
+
+def _check_args(directory: Any, model: Any, optimizer: Any) -> Path:
+    if not isinstance(directory, str | os.PathLike) or not str(directory):
+        raise TypeError(f"checkpoint directory must be a non-empty path, got {directory!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    return Path(directory).resolve()
+
+
+def _check_meta(path: Path) -> dict[str, Any]:
+    meta = read_meta(path)
+    if meta is None:
+        raise ValueError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is missing "
+                         f"(the save did not finish, or this is not a checkpoint directory)")
+    lay = api._rt().cluster.layout
+    saved = (meta.get("num_workers"), meta.get("num_servers"))
+    if saved != (lay.num_workers, lay.num_servers):
+        raise ValueError(f"checkpoint {path} was saved by a job with {saved[0]} workers and "
+                         f"{saved[1]} servers, this job has {lay.num_workers} workers and "
+                         f"{lay.num_servers} servers; resume with the same world sizes")
+    return meta
+
+
+def _inner_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state without the per-worker codec part of a DistributedOptimizer."""
+    state = optimizer.state_dict()
+    state.pop("gradpress", None)
+    return state
+
+
+def _spec(optimizer: torch.optim.Optimizer) -> str | None:
+    """The DistributedOptimizer's compression as spec text (None for a plain optimizer)."""
+    spec = getattr(optimizer, "_gp_spec", None)
+    if spec is None:
+        return None
+    opts = {**spec.params, **{k: v for k, v in spec.wrappers.items() if v is not None}}
+    body = ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
+    return f"{spec.name}:{body}" if body else spec.name
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)

@@ -1,0 +1,238 @@
+"""``gradpress train`` and ``gradpress demo``: argument definitions and runners.
+
+``add_train_arguments``/``run_train`` and ``add_demo_arguments``/``run_demo`` plug into
+:mod:`gradpress.cli`. Both validate everything (configuration, output directory) before any
+process starts, launch one local cluster through :func:`gradpress.launch.launch` whose workers
+run :mod:`gradpress.train.worker` (or the user's script), then read the run's ``metrics.jsonl``,
+write ``report.json`` and the plots, and print the report. Interrupted runs (Ctrl-C) keep their
+metrics and get a partial report with status ``interrupted``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import EF_CHOICES, OPTIMIZERS, SCHEDULES, TrainConfig
+from .report import format_run, format_table, plot_runs, read_metrics, run_report, write_json
+from .session import CONFIG_ENV
+
+__all__ = ["add_train_arguments", "run_train", "add_demo_arguments", "run_demo",
+           "prepare_out_dir", "demo_configs", "main", "DEMO_RUNS"]
+
+_PLAN = "config.json"
+_OUTPUTS = ("metrics.jsonl", "report.json", "loss_vs_step.png", "loss_vs_time.png",
+            "bytes_per_step.png", "eval_vs_step.png")
+_INTERRUPTED = (130, 143)
+
+#: The demo's three runs on digits-cnn (name, compression, CLAN learning rate); the rates were
+#: tuned per method (see ``docs/train.md``).
+DEMO_RUNS = (
+    ("uncompressed", "none", 4e-3),
+    ("clan-onebit", "onebit", 4e-3),
+    ("clan-topk0.1%", "topk:k=0.001,values=fp16", 8e-3),
+)
+DEMO_EPOCHS = 16
+
+
+def prepare_out_dir(path: str | Path) -> Path:
+    """Create ``path`` and prove it writable; remove outputs of an earlier run there.
+
+    Raises:
+        ValueError: the directory cannot be created or written (before training starts).
+    """
+    p = Path(path).expanduser()
+    probe = p / f".gradpress-write-test-{uuid.uuid4().hex}"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        for name in (*_OUTPUTS, _PLAN):
+            (p / name).unlink(missing_ok=True)
+    except OSError as e:
+        raise ValueError(f"output directory {str(path)!r} cannot be written: "
+                         f"{e.strerror or e}") from None
+    return p.resolve()
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Define the options of ``gradpress train`` on ``parser``."""
+    from ..tasks import task_names
+
+    a = parser.add_argument
+    a("--task", help=f"bundled task: {', '.join(task_names())} (or give a script after --)")
+    a("--workers", type=int, default=2, help="worker processes (default 2)")
+    a("--servers", type=int, default=1, help="server processes (default 1)")
+    a("--compression", default="none", metavar="SPEC",
+      help="codec spec, e.g. onebit, topk:k=0.001,values=fp16 (default none)")
+    a("--ef", default="vanilla", metavar="KIND",
+      help=f"error feedback: {', '.join(EF_CHOICES)} (default vanilla)")
+    a("--optimizer", default="clan", metavar="NAME",
+      help=f"{', '.join(OPTIMIZERS)} (default clan)")
+    a("--lr", type=float, help="peak learning rate (default: the task's for the optimizer)")
+    a("--epochs", type=int, help="passes over the training data (default: the task's)")
+    a("--steps", type=int, help="stop after this many steps (with --epochs: whichever first)")
+    a("--batch-size", type=int, help="per-worker batch size (default: the task's)")
+    a("--weight-decay", type=float, help="decoupled weight decay (default: the task's)")
+    a("--warmup-steps", type=int, help="linear lr warm-up steps (default: the task's)")
+    a("--schedule", default="cosine", metavar="KIND",
+      help=f"lr schedule after warm-up: {', '.join(SCHEDULES)} (default cosine)")
+    a("--freeze-step", type=int, help="onebit-adam warm-up steps (default 20%% of the run)")
+    a("--uncompressed-steps", type=int,
+      help="first N steps send uncompressed gradients (default: the optimizer's, "
+           "docs/convergence.md)")
+    a("--momentum", type=float, help="sgd-ef momentum (default: the task's)")
+    a("--min-compress-bytes", type=int, default=16 << 10,
+      help="smaller gradients travel uncompressed (default 16384)")
+    a("--eval-every", type=int, help="evaluate every N steps (default: every epoch)")
+    a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
+    a("--name", default="run", help="run name (tensor names, reports; default run)")
+    a("--out", default="runs/train", help="run directory (default runs/train)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("command", nargs=argparse.REMAINDER,
+      help="script mode: -- CMD ... run by each worker instead of a bundled task")
+    return parser
+
+
+def _script(args: argparse.Namespace) -> tuple[str, ...]:
+    cmd = list(args.command or [])
+    return tuple(cmd[1:] if cmd and cmd[0] == "--" else cmd)
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        name=args.name, task=args.task, script=_script(args), workers=args.workers,
+        servers=args.servers, compression=args.compression, ef=args.ef,
+        optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, steps=args.steps,
+        batch_size=args.batch_size, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,
+        uncompressed_steps=args.uncompressed_steps,
+        momentum=args.momentum, min_compress_bytes=args.min_compress_bytes,
+        eval_every=args.eval_every, seed=args.seed, out=args.out,
+        progress=not args.no_progress)
+
+
+def _launch(runs: Sequence[TrainConfig], plan: Path, script: tuple[str, ...] = ()) -> int:
+    """Start one local cluster whose workers run ``runs`` (or ``script``); its exit status."""
+    from ..launch import LaunchConfig, launch
+    from .report import write_json as _write
+
+    _write(plan, {"runs": [c.to_dict() for c in runs]})
+    first = runs[0]
+    env = {CONFIG_ENV: str(plan)}
+    if script:  # plain push_pull calls of the script pick these up as defaults
+        env.update({"GRADPRESS_COMPRESSION": first.compression,
+                    "GRADPRESS_EF": first.effective_ef or "",
+                    "GRADPRESS_MIN_COMPRESS_BYTES": str(first.min_compress_bytes)})
+    command = script or (sys.executable, "-m", "gradpress.train.worker", "--plan", str(plan))
+    cfg = LaunchConfig(command=tuple(command), workers_per_node=first.workers,
+                       servers_per_node=first.servers, env=env)
+    return launch(cfg)
+
+
+def _status(rep: dict[str, Any], code: int) -> str:
+    if rep["status"] == "completed" or code == 0:
+        return rep["status"]
+    return "interrupted" if code in _INTERRUPTED else "failed"
+
+
+def _write_reports(runs: Sequence[TrainConfig], code: int, plots: bool = True
+                   ) -> list[dict[str, Any]]:
+    """Per run: ``report.json`` (and plots) in its directory; prints its report block."""
+    reports = []
+    for cfg in runs:
+        recs = read_metrics(Path(cfg.out) / "metrics.jsonl")
+        if not recs:
+            continue  # never started (interrupted before it) or a script that logged nothing
+        rep = run_report(recs)
+        rep["status"] = _status(rep, code)
+        rep.setdefault("config", cfg.to_dict())
+        if plots:
+            rep["plots"] = [str(p) for p in plot_runs(cfg.out, {cfg.name: recs})]
+        write_json(Path(cfg.out) / "report.json", rep)
+        print(format_run(rep), flush=True)
+        reports.append(rep)
+    return reports
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``gradpress train``: validate, launch, report; returns the exit status."""
+    cfg = _train_config(args)
+    out = prepare_out_dir(cfg.out)
+    cfg = cfg.replace(out=str(out))
+    t0 = time.perf_counter()
+    code = _launch([cfg], out / _PLAN, cfg.script)
+    reports = _write_reports([cfg], code)
+    if not reports:
+        print(f"gradpress train: no metrics in {out} (a script logs them with "
+              "gradpress.train.Session)", file=sys.stderr)
+    print(f"total {time.perf_counter() - t0:.1f} s; run directory {out}", flush=True)
+    return code
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Define the options of ``gradpress demo``."""
+    a = parser.add_argument
+    a("--out", default="runs/demo", help="output directory (default runs/demo)")
+    a("--workers", type=int, default=2, help="worker processes (default 2)")
+    a("--servers", type=int, default=1, help="server processes (default 1)")
+    a("--epochs", type=int, default=DEMO_EPOCHS,
+      help=f"epochs of each run (default {DEMO_EPOCHS})")
+    a("--steps", type=int, help="stop each run after this many steps (for a quick look)")
+    a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
+    a("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def demo_configs(args: argparse.Namespace, out: Path) -> list[TrainConfig]:
+    """The demo's runs: digits-cnn with CLAN uncompressed, onebit and topk 0.1% fp16."""
+    return [TrainConfig(name=name, task="digits-cnn", compression=spec, ef="vanilla",
+                        optimizer="clan", lr=lr, epochs=args.epochs, steps=args.steps,
+                        seed=args.seed, workers=args.workers, servers=args.servers,
+                        out=str(out / name), progress=not args.no_progress)
+            for name, spec, lr in DEMO_RUNS]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``gradpress demo``: three digits-cnn runs in one cluster, a side-by-side table, plots."""
+    out = prepare_out_dir(args.out)
+    runs = demo_configs(args, out)
+    for cfg in runs:
+        prepare_out_dir(cfg.out)
+    t0 = time.perf_counter()
+    code = _launch(runs, out / _PLAN)
+    reports = _write_reports(runs, code, plots=False)  # one set of plots with every run
+    recs = {cfg.name: read_metrics(Path(cfg.out) / "metrics.jsonl") for cfg in runs}
+    plots = plot_runs(out, {k: v for k, v in recs.items() if v}) if reports else []
+    wall = time.perf_counter() - t0
+    table = format_table(reports)
+    write_json(out / "report.json", {"status": "completed" if code == 0 else "stopped",
+                                     "exit_code": code, "wall_s": wall, "table": table,
+                                     "runs": reports, "plots": [str(p) for p in plots]})
+    print(f"\n{table}\n\ntotal {wall:.1f} s (one cluster, start-up included); plots and "
+          f"reports in {out}", flush=True)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gradpress.train.cli {train,demo} ...`` (the same as ``gradpress train``)."""
+    parser = argparse.ArgumentParser(prog="python -m gradpress.train.cli")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
+    for name, add, run in (("train", add_train_arguments, run_train),
+                           ("demo", add_demo_arguments, run_demo)):
+        add(sub.add_parser(name)).set_defaults(_run=run)
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args))
+    except ValueError as e:
+        parser.exit(2, f"gradpress {args.subcommand}: error: {e}\n")
+    return 2  # unreachable: parser.exit raises SystemExit
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""``TrainConfig``: everything one ``gradpress train`` run needs, validated on construction.
+
+A config is frozen and keyword-only. Fields left as ``None`` take the task's defaults
+(:class:`gradpress.tasks.TaskDefaults`) when the worker resolves them. Bad input is a
+``ValueError`` naming the field, the value and what was expected; an unknown task, codec or
+optimizer lists the valid choices. Validation imports no task data, so it is cheap and runs
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES",
+           "DEFAULT_UNCOMPRESSED_STEPS"]
+
+#: ``--optimizer`` choices; see :mod:`gradpress.train.session` for what each one builds.
+OPTIMIZERS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam")
+#: ``--ef`` choices (``none``: no error feedback).
+EF_CHOICES = ("vanilla", "corrected", "sparse", "none")
+#: Default uncompressed warm-up steps per optimizer (``docs/convergence.md`` has the evidence).
+DEFAULT_UNCOMPRESSED_STEPS: dict[str, int] = {}
+#: Learning-rate schedules after the linear warm-up.
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _positive_int(obj: Any, name: str, optional: bool = True, lo: int = 1) -> None:
+    v = getattr(obj, name)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"TrainConfig.{name} must be an int >= {lo}, got {v!r}")
+
+
+def _number(obj: Any, name: str, lo: float, *, strict: bool, hi: float | None = None) -> None:
+    v = getattr(obj, name)
+    if v is None:
+        return
+    bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+    if not bad:
+        bad = v <= lo if strict else v < lo
+        bad = bad or (hi is not None and v >= hi)
+    if bad:
+        rng = f"> {lo}" if strict else f">= {lo}"
+        rng += f" and < {hi}" if hi is not None else ""
+        raise ValueError(f"TrainConfig.{name} must be a finite number {rng}, got {v!r}")
+
+
+def _choice(obj: Any, name: str, valid: tuple[str, ...], what: str) -> None:
+    v = getattr(obj, name)
+    if v not in valid:
+        raise ValueError(f"unknown {what} {v!r}; valid {what}s: {', '.join(valid)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run on a local cluster (``gradpress train``; the demo runs three).
+
+    Either ``task`` (a bundled task, trained by ``python -m gradpress.train.worker``) or
+    ``script`` (the user's own worker command, see the README) must be given.
+    """
+
+    #: Label of the run: prefixes its tensor names (so several runs can share one cluster)
+    #: and names it in reports and plots.
+    name: str = "run"
+    #: Bundled task (``gradpress.tasks.task_names()``), or None with ``script``.
+    task: str | None = None
+    #: The user's worker command (script mode), e.g. ``("python", "train.py")``; empty for a
+    #: bundled task.
+    script: tuple[str, ...] = ()
+    #: Worker processes.
+    workers: int = 2
+    #: Parameter-server processes.
+    servers: int = 1
+    #: Codec spec of the gradients (``onebit``, ``topk:k=0.001,values=fp16``, ...); for
+    #: ``onebit-adam`` the codec of the momentum after warm-up.
+    compression: str = "none"
+    #: Error feedback on workers and servers: ``vanilla``, ``corrected``, ``sparse``
+    #: (randomk only) or ``none``. Ignored when ``compression`` is ``none``.
+    ef: str = "vanilla"
+    #: Optimizer (see :data:`OPTIMIZERS`).
+    optimizer: str = "clan"
+    #: Peak learning rate; None: the task's default for the optimizer family.
+    lr: float | None = None
+    #: Passes over the training set; None: the task's default (unless ``steps`` is given).
+    epochs: int | None = None
+    #: Optimizer steps; the run stops at ``steps`` or after ``epochs``, whichever comes first.
+    steps: int | None = None
+    #: Per-worker batch size; None: the task's default.
+    batch_size: int | None = None
+    #: Decoupled weight decay (not applied to biases and normalisation weights); None: the
+    #: task's default.
+    weight_decay: float | None = None
+    #: Linear learning-rate warm-up steps; None: the task's default.
+    warmup_steps: int | None = None
+    #: Schedule after warm-up: ``constant``, ``cosine`` (to 0) or ``linear`` (to 0).
+    schedule: str = "cosine"
+    #: 1-bit Adam's uncompressed warm-up steps; None: 20% of the run (DeepSpeed uses 15-25%).
+    freeze_step: int | None = None
+    #: First steps whose gradients travel uncompressed (``DistributedOptimizer(warmup_steps=)``);
+    #: None: :data:`DEFAULT_UNCOMPRESSED_STEPS` of the optimizer (0 if absent). Not for
+    #: ``sgd-ef`` and ``onebit-adam`` (the latter has ``freeze_step``).
+    uncompressed_steps: int | None = None
+    #: Momentum coefficient of ``sgd-ef`` (applied before compression); None: the task's.
+    momentum: float | None = None
+    #: Gradients smaller than this many bytes travel uncompressed (16 KiB: the bundled tasks'
+    #: large weight tensors are compressed, norms and biases are not).
+    min_compress_bytes: int = 16 << 10
+    #: Evaluate every this many steps; None: after every epoch. The end is always evaluated.
+    eval_every: int | None = None
+    #: Seed of the model initialisation and of the data order.
+    seed: int = 0
+    #: Run directory (created): ``metrics.jsonl``, ``report.json``, PNG plots.
+    out: str = "runs/train"
+    #: Show a progress bar on rank 0.
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_what()
+        for name in ("workers", "servers"):
+            _positive_int(self, name, optional=False)
+        for name in ("epochs", "steps", "batch_size", "freeze_step", "eval_every"):
+            _positive_int(self, name)
+        _positive_int(self, "warmup_steps", lo=0)
+        _positive_int(self, "uncompressed_steps", lo=0)
+        if self.uncompressed_steps and self.optimizer in ("sgd-ef", "onebit-adam"):
+            raise ValueError(f"TrainConfig.uncompressed_steps is for gradient-compressing "
+                             f"optimizers (clan, lans, lamb, adam), got "
+                             f"{self.uncompressed_steps} with optimizer {self.optimizer!r}")
+        _positive_int(self, "min_compress_bytes", optional=False, lo=0)
+        _positive_int(self, "seed", optional=False, lo=0)
+        _number(self, "lr", 0.0, strict=True)
+        _number(self, "weight_decay", 0.0, strict=False)
+        _number(self, "momentum", 0.0, strict=False, hi=1.0)
+        _choice(self, "optimizer", OPTIMIZERS, "optimizer")
+        _choice(self, "ef", EF_CHOICES, "error feedback")
+        _choice(self, "schedule", SCHEDULES, "schedule")
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"TrainConfig.out must be a non-empty path, got {self.out!r}")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"TrainConfig.progress must be a bool, got {self.progress!r}")
+        self._check_codec()
+
+    def _check_what(self) -> None:
+        """Exactly one of task and script; the task must be bundled; names are plain."""
+        if not isinstance(self.name, str) or not self.name or any(
+                c in self.name for c in "/\\\0 "):
+            raise ValueError(f"TrainConfig.name must be a non-empty word without '/', '\\' or "
+                             f"spaces (it names a directory and tensors), got {self.name!r}")
+        if not isinstance(self.script, tuple) or not all(isinstance(a, str) for a in self.script):
+            raise ValueError(f"TrainConfig.script must be a tuple of strings, got {self.script!r}")
+        if bool(self.task) == bool(self.script):
+            raise ValueError("give either a task (--task NAME) or a worker script "
+                             f"(-- python train.py ...), got task={self.task!r} and "
+                             f"script={list(self.script)!r}")
+        if self.script and self.lr is None:
+            raise ValueError("a worker script has no task defaults: give the learning rate "
+                             "(--lr)")
+        if self.task is not None:
+            from ..tasks import task_names
+
+            if self.task not in task_names():
+                raise ValueError(f"unknown task {self.task!r}; valid tasks: "
+                                 f"{', '.join(task_names())}")
+
+    def _check_codec(self) -> None:
+        """Build the codec once (cheap): unknown codecs, parameters or ef list valid choices."""
+        from ..compress import build
+
+        if not isinstance(self.compression, str) or not self.compression.strip():
+            raise ValueError(f"TrainConfig.compression must be a codec spec such as 'none' or "
+                             f"'onebit', got {self.compression!r}")
+        try:
+            build(self.compression, 1024, ef=self.effective_ef)
+        except ValueError as e:
+            raise ValueError(f"compression {self.compression!r}: {e}") from None
+
+    @property
+    def compressed(self) -> bool:
+        """Whether gradients (or 1-bit Adam's momenta) go through a codec other than ``none``."""
+        from ..compress.spec import parse_spec
+
+        return parse_spec(self.compression).name != "none"
+
+    @property
+    def effective_ef(self) -> str | None:
+        """The error feedback actually used: None without compression or with ``ef='none'``."""
+        return None if self.ef == "none" or not self.compressed else self.ef
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict (``script`` as a list)."""
+        d = dataclasses.asdict(self)
+        d["script"] = list(self.script)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are a ValueError listing the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown field(s) {', '.join(unknown)}; valid: "
+                             f"{', '.join(sorted(names))}")
+        kw = dict(d)
+        if "script" in kw:
+            kw["script"] = tuple(kw["script"])
+        return cls(**kw)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,390 @@
+"""``Session``: the per-worker half of ``gradpress train`` (bundled tasks and user scripts).
+
+A session builds the configured optimizer, drives the learning-rate schedule, times the stages
+of each step, and (on rank 0) appends one JSON record per step to ``metrics.jsonl`` with the
+bytes that crossed the wire (per-step deltas of ``gp.stats()``). A user script started by
+``gradpress train ... -- python my_train.py`` gets the same machinery::
+
+    import gradpress as gp
+    from gradpress.train import Session
+    gp.init()
+    s = Session.from_env()                  # the config `gradpress train` exported
+    opt = s.optimizer(model)                # e.g. CLAN + DistributedOptimizer(onebit, ef)
+    for x, y in batches:
+        opt.zero_grad()
+        with s.stage("compute"):
+            loss = loss_fn(model(x), y); loss.backward()
+        s.step(opt)                         # lr schedule, synchronize, optimizer step
+        s.log_step(loss.item())
+    s.log_eval({"accuracy": acc}, primary="accuracy")
+    s.finish(model)
+
+Optimizer mapping (``--optimizer``):
+
+1. ``clan``: :func:`gradpress.optim.clan` (LANS without gradient normalisation) wrapped in
+   ``DistributedOptimizer(compression, ef)``; ``lans``, ``lamb`` and ``adam`` (AdamW) likewise.
+2. ``sgd-ef``: dist-EF-SGDM (Zheng, Huang, Kwok 2019): SGD without its own momentum behind
+   ``DistributedOptimizer(momentum="nesterov")``. Tensors below ``min_compress_bytes`` travel
+   uncompressed without the worker-side momentum, so their SGD group uses torch's Nesterov
+   momentum instead, which is the same update on an exactly averaged gradient.
+3. ``onebit-adam``: :class:`gradpress.optim.OneBitAdam`; gradients travel uncompressed during
+   warm-up (``DistributedOptimizer(compression="none")``), then the optimizer communicates its
+   momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops pushing gradients
+   once ``compression_active`` is true).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import DEFAULT_UNCOMPRESSED_STEPS, TrainConfig
+from .report import MetricsWriter
+
+__all__ = ["Session", "CONFIG_ENV", "STAGES", "resolve_hparams", "codec_ratios"]
+
+#: Environment variable naming the ``config.json`` that ``gradpress train`` writes for scripts.
+CONFIG_ENV = "GRADPRESS_TRAIN_CONFIG"
+#: Stages timed by the training loop (``gp.stats()`` adds compress/send/wait/decompress).
+STAGES = ("data", "compute", "sync", "update", "eval")
+_RUNTIME_STAGES = ("compress_s", "send_s", "wait_s", "decompress_s")
+_BYTES = ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes")
+
+
+def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | None
+                    ) -> dict[str, Any]:
+    """The effective hyperparameters: ``cfg``'s, else the task's defaults (script mode: fixed
+    fallbacks; ``lr`` is required there)."""
+    family = "adam" if cfg.optimizer == "onebit-adam" else \
+        "sgd" if cfg.optimizer == "sgd-ef" else cfg.optimizer
+    if cfg.lr is None and defaults is None:
+        raise ValueError("TrainConfig.lr is required without a bundled task (give --lr)")
+    hp = {
+        "lr": cfg.lr if cfg.lr is not None else defaults.lr_for(family),
+        "weight_decay": _first(cfg.weight_decay, getattr(defaults, "weight_decay", None), 0.0),
+        "warmup_steps": _first(cfg.warmup_steps, getattr(defaults, "warmup_steps", None), 0),
+        "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None), 0.9),
+        "schedule": cfg.schedule, "total_steps": total_steps,
+    }
+    if cfg.optimizer not in ("sgd-ef", "onebit-adam"):
+        hp["uncompressed_steps"] = _first(cfg.uncompressed_steps,
+                                          DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
+    if cfg.optimizer == "onebit-adam":
+        hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
+    return hp
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def lr_factor(step: int, warmup: int, total: int | None, schedule: str) -> float:
+    """Multiplier of the peak lr for 0-based ``step``: linear warm-up, then the schedule."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total is None or schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+
+
+def codec_ratios(named: list[tuple[str, torch.Tensor]], spec: str, min_compress_bytes: int,
+                 partition_bytes: int) -> dict[str, Any]:
+    """Bytes on the wire per step from the codecs' ``payload_bytes`` (one direction).
+
+    Tensors of at least ``min_compress_bytes`` are cut into chunks of ``partition_bytes`` and
+    each chunk costs the codec's payload; smaller ones (and all with codec ``none``) cost a
+    ``none`` payload (fp32 + header) and do not count as compressed tensors.
+    """
+    from ..compress import build
+    from ..compress.spec import parse_spec
+    from ..ps.partition import chunk_layout
+
+    comp_dense = comp_wire = model_dense = model_wire = ncomp = 0
+    dense_only = parse_spec(spec).name == "none"
+    for _, p in named:
+        numel = p.numel()
+        small = dense_only or 4 * numel < min_compress_bytes
+        chunks = chunk_layout(numel, partition_bytes)
+        wire = sum(build("none" if small else spec, c.numel).payload_bytes for c in chunks)
+        model_dense, model_wire = model_dense + 4 * numel, model_wire + wire
+        if not small:
+            comp_dense, comp_wire, ncomp = comp_dense + 4 * numel, comp_wire + wire, ncomp + 1
+
+    def ratio(a: int, b: int) -> float | None:
+        return a / b if b else None
+
+    return {"compressed_tensors": ncomp, "tensors": len(named),
+            "compressed_fp32_bytes": comp_dense, "compressed_wire_bytes": comp_wire,
+            "model_fp32_bytes": model_dense, "model_wire_bytes": model_wire,
+            "compressed_vs_fp32": ratio(comp_dense, comp_wire),
+            "compressed_vs_fp16": ratio(comp_dense // 2, comp_wire),
+            "model_vs_fp32": ratio(model_dense, model_wire),
+            "model_vs_fp16": ratio(model_dense // 2, model_wire)}
+
+
+def _param_groups(model: nn.Module, wd: float) -> list[dict[str, Any]]:
+    """Weight decay on weight matrices and kernels only (not biases, norm weights)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
+    return [g for g in ({"params": decay, "weight_decay": wd},
+                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
+
+
+class Session:
+    """Optimizer, schedule, stage timers and metrics of one run on one worker.
+
+    Args:
+        cfg: the run's configuration.
+        defaults: the task's :class:`~gradpress.tasks.TaskDefaults` (None in script mode).
+        total_steps: planned optimizer steps (for the schedule and 1-bit Adam's warm-up).
+        run_dir: where rank 0 writes ``metrics.jsonl`` (default ``cfg.out``).
+    """
+
+    def __init__(self, cfg: TrainConfig, *, defaults: Any | None = None,
+                 total_steps: int | None = None, run_dir: str | Path | None = None) -> None:
+        from .. import api
+
+        self.cfg = cfg
+        self.rank, self.size = api.rank(), api.size()
+        self.hparams = resolve_hparams(cfg, defaults, total_steps)
+        self.total_steps = total_steps
+        self.steps = 0
+        self.run_dir = Path(run_dir or cfg.out)
+        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.stage_s = dict.fromkeys(STAGES, 0.0)
+        self._step_stage = dict.fromkeys(STAGES, 0.0)
+        self._named: list[tuple[str, torch.Tensor]] = []
+        self._created = self._t0 = self._last_t = time.perf_counter()
+        self._last_stats = self._stats()
+        self._started = False
+        self.setup_s = 0.0
+        self._last_eval: dict[str, Any] | None = None
+        self._lr = float(self.hparams["lr"])
+
+    @classmethod
+    def from_env(cls, total_steps: int | None = None) -> Session:
+        """The session of a script started by ``gradpress train ... -- CMD`` (reads
+        ``$GRADPRESS_TRAIN_CONFIG``); ``total_steps`` defaults to the config's ``steps``."""
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            raise ValueError(f"${CONFIG_ENV} is not set: start the script with "
+                             "`gradpress train [options] -- python SCRIPT ...`")
+        cfg = TrainConfig.from_dict(json.loads(Path(path).read_text())["runs"][0])
+        return cls(cfg, total_steps=total_steps or cfg.steps)
+
+    @property
+    def is_logger(self) -> bool:
+        """Whether this worker writes the metrics (rank 0)."""
+        return self.writer is not None
+
+    # -- optimizer ------------------------------------------------------------------------------
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``."""
+        import gradpress as gp
+        from gradpress.optim import LAMB, LANS, OneBitAdam, clan
+
+        cfg, hp = self.cfg, self.hparams
+        self._named = [(f"{cfg.name}.{n}", p) for n, p in model.named_parameters()
+                       if p.requires_grad]
+        lr, wd, groups = hp["lr"], hp["weight_decay"], _param_groups(model, hp["weight_decay"])
+        wrap: dict[str, Any] = {"compression": cfg.compression, "ef": cfg.effective_ef,
+                                "min_compress_bytes": cfg.min_compress_bytes,
+                                "warmup_steps": hp.get("uncompressed_steps", 0)}
+        if cfg.optimizer == "clan":
+            opt = clan(groups, lr=lr, weight_decay=wd)
+        elif cfg.optimizer == "lans":
+            opt = LANS(groups, lr=lr, weight_decay=wd)
+        elif cfg.optimizer == "lamb":
+            opt = LAMB(groups, lr=lr, weight_decay=wd)
+        elif cfg.optimizer == "adam":
+            opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd)
+        elif cfg.optimizer == "sgd-ef":
+            opt = torch.optim.SGD(self._sgd_groups(model), lr=lr, weight_decay=wd)
+            if cfg.compressed:  # uncompressed: every tensor has torch's momentum instead
+                wrap.update(momentum="nesterov", mu=hp["momentum"])
+        else:
+            opt = OneBitAdam(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
+            opt.communicate = self._communicate_momentum
+            wrap = {"compression": "none"}
+        for g in opt.param_groups:
+            g["peak_lr"] = g["lr"]
+        return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
+
+    def _sgd_groups(self, model: nn.Module) -> list[dict[str, Any]]:
+        """dist-EF-SGDM groups: compressed tensors get the worker-side Nesterov momentum (no
+        SGD momentum); uncompressed ones get torch's Nesterov momentum (same update)."""
+        mu, wd, limit = self.hparams["momentum"], self.hparams["weight_decay"], \
+            self.cfg.min_compress_bytes
+        groups = []
+        for g in _param_groups(model, wd):
+            big = [p for p in g["params"] if 4 * p.numel() >= limit and self.cfg.compressed]
+            small = [p for p in g["params"] if not any(p is b for b in big)]
+            groups += [{"params": big, "weight_decay": g["weight_decay"], "momentum": 0.0},
+                       {"params": small, "weight_decay": g["weight_decay"], "momentum": mu,
+                        "nesterov": mu > 0}]
+        return [g for g in groups if g["params"]]
+
+    def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
+        """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
+        import gradpress as gp
+
+        ef = self.cfg.effective_ef
+        return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
+                                  compression=self.cfg.compression, ef=ef,
+                                  lr=self._lr if ef == "corrected" else None,
+                                  min_compress_bytes=self.cfg.min_compress_bytes)
+
+    # -- stepping -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as stage ``name`` (one of :data:`STAGES`)."""
+        if name not in self.stage_s:
+            raise ValueError(f"unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t
+            self.stage_s[name] += dt
+            self._step_stage[name] += dt
+
+    def start(self, warmup: bool = True) -> None:
+        """Start the run's clock and byte counters (called by :meth:`step` if not yet).
+
+        With ``warmup`` (every worker must call it then), first push_pull one throw-away
+        tensor with the run's codec: kernels compile or load and links open on workers and
+        servers, so the first measured step is not charged for them.
+        """
+        if self._started:
+            return
+        if warmup:
+            import gradpress as gp
+
+            n = max(1024, self.cfg.min_compress_bytes // 4)
+            x = torch.linspace(-1.0, 1.0, n)
+            ef = self.cfg.effective_ef
+            gp.push_pull(x, name=f"{self.cfg.name}.warmup", compression=self.cfg.compression,
+                         ef=ef, lr=self.hparams["lr"] if ef == "corrected" else None,
+                         min_compress_bytes=self.cfg.min_compress_bytes)
+        self._started = True
+        self._t0 = self._last_t = time.perf_counter()
+        self.setup_s = self._t0 - self._created
+        self._last_stats = self._stats()
+        self.stage_s = dict.fromkeys(STAGES, 0.0)
+        self._step_stage = dict.fromkeys(STAGES, 0.0)
+        if self.writer is not None:
+            self.writer.write({"kind": "start", "run": self.cfg.name,
+                               "config": self.cfg.to_dict(), "hparams": self.hparams,
+                               "workers": self.size, "setup_s": self.setup_s})
+
+    def set_lr(self, opt: torch.optim.Optimizer) -> float:
+        """Apply the schedule for the next step; returns the lr of the first group."""
+        hp = self.hparams
+        f = lr_factor(self.steps, hp["warmup_steps"], self.total_steps, hp["schedule"])
+        for g in opt.param_groups:
+            g["lr"] = g.setdefault("peak_lr", g["lr"]) * f
+        return opt.param_groups[0]["lr"]
+
+    def step(self, opt: torch.optim.Optimizer) -> float:
+        """Schedule, ``synchronize`` (stage ``sync``), optimizer step (stage ``update``)."""
+        self.start(warmup=False)
+        lr = self.set_lr(opt)
+        with self.stage("sync"):
+            opt.synchronize()  # type: ignore[attr-defined]
+        with self.stage("update"), opt.skip_synchronize():  # type: ignore[attr-defined]
+            opt.step()
+        self.steps += 1
+        self._lr = lr
+        return lr
+
+    # -- metrics --------------------------------------------------------------------------------
+    @staticmethod
+    def _stats() -> dict[str, float]:
+        import gradpress as gp
+
+        return dict(gp.stats())
+
+    def log_step(self, loss: float, epoch: int = 0) -> dict[str, Any] | None:
+        """Rank 0: append the step's record (loss, lr, time, byte deltas, stage seconds)."""
+        now, stats = time.perf_counter(), self._stats()
+        rec = None
+        if self.writer is not None:
+            stages = {f"{k}_s": v for k, v in self._step_stage.items()}
+            stages.update({k: stats[k] - self._last_stats[k] for k in _RUNTIME_STAGES})
+            rec = {"kind": "step", "run": self.cfg.name, "step": self.steps, "epoch": epoch,
+                   "loss": float(loss), "lr": self._lr,
+                   "time_s": now - self._t0, "step_s": now - self._last_t,
+                   **{k: int(stats[k] - self._last_stats[k]) for k in _BYTES},
+                   "stages": stages}
+            self.writer.write(rec)
+        self._last_stats, self._last_t = stats, now
+        self._step_stage = dict.fromkeys(STAGES, 0.0)
+        return rec
+
+    def log_eval(self, metrics: Any, primary: str | None = None,
+                 higher_is_better: bool | None = None) -> None:
+        """Rank 0: record an evaluation (an ``EvalResult`` or a mapping of metric values)."""
+        if hasattr(metrics, "metrics"):  # EvalResult
+            primary, higher_is_better = metrics.primary, metrics.higher_is_better
+            metrics = metrics.metrics
+        if not isinstance(metrics, Mapping) or not metrics:
+            raise ValueError(f"log_eval needs a non-empty mapping of metrics, got {metrics!r}")
+        primary = primary or next(iter(metrics))
+        if primary not in metrics:
+            raise ValueError(f"primary metric {primary!r} is not one of {sorted(metrics)}")
+        if higher_is_better is None:
+            higher_is_better = "acc" in primary
+        self._last_eval = {"kind": "eval", "run": self.cfg.name, "step": self.steps,
+                           "time_s": time.perf_counter() - self._t0,
+                           "metrics": {k: float(v) for k, v in metrics.items()},
+                           "primary": primary, "higher_is_better": bool(higher_is_better)}
+        if self.writer is not None:
+            self.writer.write(self._last_eval)
+
+    def finish(self, model: nn.Module | None = None, **extra: Any) -> None:
+        """End the run: check that replicas agree, write the summary record (rank 0)."""
+        same = self._replicas_identical(model) if model is not None else None
+        if self.writer is None:
+            return
+        from .. import api
+
+        rec = {"kind": "summary", "run": self.cfg.name, "status": "completed",
+               "config": self.cfg.to_dict(), "hparams": self.hparams, "steps": self.steps,
+               "workers": self.size, "wall_s": time.perf_counter() - self._t0,
+               "setup_s": self.setup_s,
+               "stages_s": {f"{k}_s": v for k, v in self.stage_s.items()},
+               "replicas_identical": same, **extra}
+        if self._named:
+            rec["codec"] = codec_ratios(self._named, self.cfg.compression,
+                                        self.cfg.min_compress_bytes, api.config().partition_bytes)
+            rec["params"] = sum(p.numel() for _, p in self._named)
+        self.writer.write(rec)
+
+    def interrupted(self, reason: str) -> None:
+        """Rank 0: record that the run stopped early (the metrics so far stay on disk)."""
+        if self.writer is not None:
+            self.writer.write({"kind": "end", "run": self.cfg.name, "status": "interrupted",
+                               "reason": reason, "step": self.steps,
+                               "time_s": time.perf_counter() - self._t0})
+
+    def _replicas_identical(self, model: nn.Module) -> bool:
+        """Gather a fingerprint of every worker's parameters (each worker fills its own slot
+        of a zero vector, the servers sum exactly) and compare them bit for bit."""
+        import gradpress as gp
+
+        flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        slots = torch.zeros(self.size, 3)
+        slots[self.rank] = torch.stack([flat.sum(), flat.abs().sum(), (flat * flat).sum()])
+        every = gp.push_pull(slots, name=f"{self.cfg.name}.replica-check", average=False,
+                             compression="none")
+        return bool((every == every[0]).all())

@@ -1,0 +1,66 @@
+"""benchmarks/convergence.py: grid expansion and table aggregation on synthetic reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _driver() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("convergence",
+                                                  ROOT / "benchmarks" / "convergence.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["convergence"] = mod  # dataclasses need the module registered
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _report(value: float, push: int, status: str = "completed") -> dict:
+    return {"status": status, "steps": 20, "s_per_step": 0.1,
+            "metric": {"name": "accuracy", "value": value, "higher_is_better": True},
+            "bytes_per_step": {"push": push, "pull": push, "dense_fp32": 4000.0,
+                               "push_last": push, "pull_last": push},
+            "codec": {"compressed_tensors": 1, "compressed_fp32_bytes": 3600,
+                      "compressed_wire_bytes": 60, "model_wire_bytes": 460}}
+
+
+def test_grid_commands_and_aggregation(tmp_path: Path) -> None:
+    conv = _driver()
+    args = conv.parse_args(["--tasks", "digits-cnn", "--codecs", "none", "onebit",
+                            "--variants", "base", "chunk16k", "--seeds", "0", "1",
+                            "--steps", "20", "--out", str(tmp_path)])
+    runs = conv.expand(args)
+    assert len(runs) == 2 * 2 * 2
+    chunk = next(r for r in runs if r.variant == "chunk16k")
+    assert chunk.shell().startswith("GRADPRESS_PARTITION_BYTES=16384 gradpress train")
+    assert "--steps 20" in chunk.shell() and f"--seed {chunk.seed}" in chunk.shell()
+    onebit = [r for r in runs if r.codec == "onebit" and r.variant == "base"]
+    for r, acc in zip(onebit, (0.95, 0.97), strict=True):
+        r.out.mkdir(parents=True)
+        (r.out / "report.json").write_text(json.dumps(_report(acc, 520)))
+    failed = next(r for r in runs if r.codec == "none")
+    failed.out.mkdir(parents=True)
+    (failed.out / "report.json").write_text(json.dumps(_report(0.5, 4400, "failed")))
+    reports = {r.out: rep for r in runs if (rep := conv.completed(r)) is not None}
+    rows = conv.aggregate(runs, reports)
+    assert len(rows) == 1  # the failed run is not counted
+    row = rows[0]
+    assert row["mean"] == pytest.approx(96.0) and row["std"] == pytest.approx(1.4142, abs=1e-3)
+    assert row["model_vs_fp32"] == pytest.approx(4000 / 520)
+    assert row["comp_vs_fp16"] == pytest.approx(1800 / (520 - 400))
+    text = conv.table(rows)
+    assert "96.00 ± 1.41 (n=2)" in text and "15.0x" in text
+
+
+def test_unknown_codec_is_an_error(tmp_path: Path) -> None:
+    conv = _driver()
+    args = conv.parse_args(["--codecs", "twobit", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="twobit"):
+        conv.expand(args)
