@@ -52,6 +52,10 @@ WORKER = textwrap.dedent('''
     # 1. exact path: compare with one process on the concatenated batch (in the test)
     m, _ = train("none", 4, sgd, compression="none")
     res["none"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    # 1b. worker-side Nesterov momentum on tensors small enough to travel uncompressed
+    m, _ = train("mom", 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                 compression="onebit", ef="vanilla", momentum="nesterov", mu=0.9)
+    res["momentum_small"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     # 2. every codec with error feedback: replicas must be bit-identical
     for spec in CODECS:
         m, _ = train(spec.split(":")[0], 3, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
@@ -117,11 +121,11 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _reference_none(steps: int, workers: int) -> torch.Tensor:
+def _reference_none(steps: int, workers: int, momentum: float = 0.0) -> torch.Tensor:
     """One process, SGD on the concatenated batch of all workers (mean loss = mean of halves)."""
     torch.manual_seed(3)
     m = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum, nesterov=momentum > 0)
     for step in range(steps):
         xs, ys = [], []
         for r in range(workers):
@@ -145,6 +149,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     for key in w0:
         assert torch.equal(w0[key], w1[key]), f"replicas differ: {key}"
     torch.testing.assert_close(w0["none"], _reference_none(4, 2), rtol=1e-5, atol=1e-6)
+    # all tensors < 1 MiB: sent exactly, with the worker-side momentum = torch's Nesterov SGD
+    torch.testing.assert_close(w0["momentum_small"], _reference_none(4, 2, momentum=0.9),
+                               rtol=1e-5, atol=1e-6)
     for spec in CODECS:
         assert torch.isfinite(w0[spec]).all() and not torch.equal(w0[spec], w0["none"]), spec
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors

@@ -258,9 +258,12 @@ class WorkerEngine(WorkerStateMixin):
               lr: float | None, min_compress_bytes: int | None) -> _Plan:
         self.check_call(name, compression, ef, lr)
         limit = self.cfg.min_compress_bytes if min_compress_bytes is None else min_compress_bytes
-        if 4 * numel < limit:  # small tensors travel uncompressed (fp32, exact)
-            compression, ef = "none", "none"
         spec, wrappers = resolve_codec(compression, ef, self.cfg)
+        if 4 * numel < limit:  # small tensors travel uncompressed (fp32, exact), no residual;
+            # worker-side momentum (dist-EF-SGDM) still applies to them, as to every tensor
+            spec = CodecSpec("none")
+            wrappers = {"ef": None, **{k: wrappers[k] for k in ("momentum", "mu")
+                                        if k in wrappers}}
         signature = (numel, spec.name, tuple(sorted(spec.params.items())),
                      tuple(sorted(wrappers.items())), bool(average))
         with self._lock:

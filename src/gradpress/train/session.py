@@ -24,9 +24,8 @@ Optimizer mapping (``--optimizer``):
 1. ``clan``: :func:`gradpress.optim.clan` (LANS without gradient normalisation) wrapped in
    ``DistributedOptimizer(compression, ef)``; ``lans``, ``lamb`` and ``adam`` (AdamW) likewise.
 2. ``sgd-ef``: dist-EF-SGDM (Zheng, Huang, Kwok 2019): SGD without its own momentum behind
-   ``DistributedOptimizer(momentum="nesterov")``. Tensors below ``min_compress_bytes`` travel
-   uncompressed without the worker-side momentum, so their SGD group uses torch's Nesterov
-   momentum instead, which is the same update on an exactly averaged gradient.
+   ``DistributedOptimizer(momentum="nesterov")``; the worker-side momentum applies to every
+   tensor, also to those below ``min_compress_bytes`` that travel uncompressed.
 3. ``onebit-adam``: :class:`gradpress.optim.OneBitAdam`; gradients travel uncompressed during
    warm-up (``DistributedOptimizer(compression="none")``), then the optimizer communicates its
    momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops pushing gradients
@@ -209,9 +208,13 @@ class Session:
         elif cfg.optimizer == "adam":
             opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd)
         elif cfg.optimizer == "sgd-ef":
-            opt = torch.optim.SGD(self._sgd_groups(model), lr=lr, weight_decay=wd)
-            if cfg.compressed:  # uncompressed: every tensor has torch's momentum instead
-                wrap.update(momentum="nesterov", mu=hp["momentum"])
+            mu = hp["momentum"]
+            if cfg.compressed:  # momentum before compression, on the workers (dist-EF-SGDM)
+                opt = torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=0.0)
+                wrap.update(momentum="nesterov", mu=mu)
+            else:  # uncompressed: torch's Nesterov momentum is the same update
+                opt = torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=mu,
+                                      nesterov=mu > 0)
         else:
             opt = OneBitAdam(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
             opt.communicate = self._communicate_momentum
@@ -219,20 +222,6 @@ class Session:
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
         return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
-
-    def _sgd_groups(self, model: nn.Module) -> list[dict[str, Any]]:
-        """dist-EF-SGDM groups: compressed tensors get the worker-side Nesterov momentum (no
-        SGD momentum); uncompressed ones get torch's Nesterov momentum (same update)."""
-        mu, wd, limit = self.hparams["momentum"], self.hparams["weight_decay"], \
-            self.cfg.min_compress_bytes
-        groups = []
-        for g in _param_groups(model, wd):
-            big = [p for p in g["params"] if 4 * p.numel() >= limit and self.cfg.compressed]
-            small = [p for p in g["params"] if not any(p is b for b in big)]
-            groups += [{"params": big, "weight_decay": g["weight_decay"], "momentum": 0.0},
-                       {"params": small, "weight_decay": g["weight_decay"], "momentum": mu,
-                        "nesterov": mu > 0}]
-        return [g for g in groups if g["params"]]
 
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
         """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
