@@ -157,9 +157,7 @@ def test_topk_degenerate_inputs(case: str) -> None:
         x, spec = torch.randn(n, generator=_gen(3)), "topk:k=0.7"
     else:  # large values exactly at the sampled positions: the threshold first overshoots
         x = torch.rand(n, generator=_gen(4))
-        pos = np.empty(K.SAMPLE, np.int64)
-        K.randomk_positions(n, int(K._SAMPLE_S0), int(K._SAMPLE_S1), pos)
-        x[torch.from_numpy(pos)] += 10.0
+        x[torch.from_numpy(K.sample_positions(n))] += 10.0
     codec = build(spec, n)
     sel, _ = _selected(codec, codec.compress(x))
     _check_topk_exact(x, sel, codec.kk)
