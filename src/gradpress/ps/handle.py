@@ -40,6 +40,11 @@ class Handle:
         return self._event.is_set()
 
     @property
+    def completion(self) -> threading.Event:
+        """Set once the result (or an error) is ready."""
+        return self._event
+
+    @property
     def error(self) -> BaseException | None:
         return self._error
 

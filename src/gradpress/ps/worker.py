@@ -114,7 +114,7 @@ class _Plan:
     numel: int
     chunks: list[_ChunkState]
     offsets: list[int]
-    last: Handle | None = None
+    last: threading.Event | None = None  # completion of the key's previous push_pull
 
 
 @dataclass
@@ -181,12 +181,12 @@ class WorkerEngine(WorkerStateMixin):
         self._check_usable()
         flat = flat_fp32(tensor, name)
         plan = self._plan(name, flat.numel(), average, compression, ef, lr, min_compress_bytes)
-        if plan.last is not None and not plan.last.done():
-            plan.last.wait_quietly(self.cfg.timeout)  # one step per key in flight
+        if plan.last is not None and not plan.last.is_set():
+            plan.last.wait(self.cfg.timeout)  # one step per key in flight
         out = torch.empty(flat.numel(), dtype=torch.float32)
         handle = Handle(name, out, tensor.shape, tensor.dtype, tensor.device, len(plan.chunks),
                         on_done=self._on_done)
-        plan.last = handle
+        plan.last = handle.completion  # not the handle: its result is the caller's to keep
         with self._lock:
             self._live.add(handle)
             self._stats["dense_fp32_bytes"] += 4 * flat.numel()
