@@ -53,6 +53,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "noef": {"args": {"ef": "none"}},
     "chunk16k": {"env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},
     "chunk64k": {"env": {"GRADPRESS_PARTITION_BYTES": str(64 << 10)}},
+    "warmup50-chunk16k": {"args": {"uncompressed-steps": 50},
+                          "env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},
 }
 #: Learning rates used unless ``--lr`` is given: (task, optimizer, codec) -> lr; ``*`` matches
 #: any codec. Chosen per method (see docs/convergence.md).
@@ -61,7 +63,7 @@ LRS: dict[tuple[str, str, str], float] = {
     ("digits-cnn", "lans", "*"): 4e-3,
     ("digits-cnn", "adam", "*"): 1e-3, ("digits-cnn", "onebit-adam", "*"): 1e-3,
     ("digits-cnn", "sgd-ef", "*"): 3e-3,
-    ("stdlib-mlm", "clan", "*"): 2e-3, ("stdlib-mlm", "lans", "*"): 2e-3,
+    ("stdlib-mlm", "clan", "*"): 1e-2, ("stdlib-mlm", "lans", "*"): 1e-2,
     ("stdlib-mlm", "adam", "*"): 1e-3, ("stdlib-mlm", "onebit-adam", "*"): 1e-3,
     ("stdlib-mlm", "sgd-ef", "*"): 0.1,
 }
@@ -161,7 +163,8 @@ def execute(runs: Sequence[Run], dry: bool = False) -> None:
         print(f"[{i}/{len(todo)}] {r.shell()}", flush=True)
         if dry:
             continue
-        proc = subprocess.run(r.command(), env={**os.environ, **r.env},
+        cmd = [sys.executable, "-m", "gradpress.cli", *r.command()[1:]]  # this interpreter's
+        proc = subprocess.run(cmd, env={**os.environ, **r.env},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             print(f"  failed (exit {proc.returncode}): {proc.stderr[-800:]}", flush=True)
@@ -231,6 +234,31 @@ def commands(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(f"    {r['command']}" for r in rows)
 
 
+#: Tensor shapes for ``--wire``: the bundled tasks' largest and BERT-base's (768 hidden).
+WIRE_SHAPES = {"digits-cnn stage2 conv 64x64x3x3": 36864, "stdlib-mlm in_proj 384x128": 49152,
+               "BERT-base attention 768x768": 589824, "BERT-base FFN 3072x768": 2359296}
+
+
+def wire_table(spec: str = "topk:k=0.001,values=fp16") -> str:
+    """Bytes of real ``compress`` outputs (what goes on the wire, header included) against fp16,
+    for the tensors of :data:`WIRE_SHAPES` (chunks of 4 MiB, the default partition)."""
+    import torch
+
+    from gradpress.compress import build
+    from gradpress.ps.partition import chunk_layout
+
+    lines = ["| tensor | elements | fp16 bytes | " + spec + " bytes | ratio vs fp16 |",
+             "|---|---|---|---|---|"]
+    for name, numel in WIRE_SHAPES.items():
+        ours = fp16 = 0
+        for c in chunk_layout(numel, 4 << 20):
+            x = torch.randn(c.numel)
+            ours += build(spec, c.numel, seed=0).compress(x).numel()
+            fp16 += build("fp16", c.numel).compress(x).numel()
+        lines.append(f"| {name} | {numel} | {fp16} | {ours} | {fp16 / ours:.1f}x |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", nargs="+", default=["digits-cnn"])
@@ -247,6 +275,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="tiny grid: digits-cnn, none/onebit, clan, seed 0, 30 steps")
     p.add_argument("--collect-only", action="store_true", help="only tabulate existing runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--wire", action="store_true",
+                   help="only print the top-k 0.1%% fp16 wire sizes of single tensors")
     args = p.parse_args(argv)
     if args.quick:
         args.tasks, args.codecs, args.optimizers = ["digits-cnn"], ["none", "onebit"], ["clan"]
@@ -256,6 +286,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.wire:
+        print(wire_table())
+        return 0
     try:
         runs = expand(args)
     except ValueError as e:

@@ -64,3 +64,30 @@ def test_unknown_codec_is_an_error(tmp_path: Path) -> None:
     args = conv.parse_args(["--codecs", "twobit", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="twobit"):
         conv.expand(args)
+
+
+def test_uncompressed_steps_option() -> None:
+    from gradpress.train.config import DEFAULT_UNCOMPRESSED_STEPS, TrainConfig
+    from gradpress.train.session import resolve_hparams
+
+    cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="clan")
+    hp = resolve_hparams(cfg, _Defaults(), 200)
+    assert hp["uncompressed_steps"] == DEFAULT_UNCOMPRESSED_STEPS["clan"] == 50
+    hp = resolve_hparams(cfg.replace(uncompressed_steps=0), _Defaults(), 200)
+    assert hp["uncompressed_steps"] == 0
+    assert resolve_hparams(cfg.replace(optimizer="lans"), _Defaults(), 200)[
+        "uncompressed_steps"] == 0
+    with pytest.raises(ValueError, match="uncompressed_steps"):
+        TrainConfig(task="stdlib-mlm", optimizer="sgd-ef", uncompressed_steps=10)
+    with pytest.raises(ValueError, match="uncompressed_steps"):
+        TrainConfig(task="stdlib-mlm", uncompressed_steps=-1)
+
+
+class _Defaults:
+    weight_decay = 0.0
+    warmup_steps = 0
+    momentum = 0.9
+
+    @staticmethod
+    def lr_for(family: str) -> float:
+        return 1e-3

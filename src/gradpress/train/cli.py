@@ -191,8 +191,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def demo_configs(args: argparse.Namespace, out: Path) -> list[TrainConfig]:
     """The demo's runs: digits-cnn with CLAN uncompressed, onebit and topk 0.1% fp16."""
+    # no uncompressed warm-up: digits-cnn shows no gap without it (docs/convergence.md)
     return [TrainConfig(name=name, task="digits-cnn", compression=spec, ef="vanilla",
                         optimizer="clan", lr=lr, epochs=args.epochs, steps=args.steps,
+                        uncompressed_steps=0,
                         seed=args.seed, workers=args.workers, servers=args.servers,
                         out=str(out / name), progress=not args.no_progress)
             for name, spec, lr in DEMO_RUNS]
