@@ -61,6 +61,18 @@ WORKER = textwrap.dedent('''
         m, _ = train(spec.split(":")[0], 3, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
                      compression=spec, ef="vanilla", min_compress_bytes=0)
         res[spec] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    # 2b. the one-call CLAN builder: LANS behind two-way onebit compression, 1 warm-up step
+    model = net(3)
+    opt = gp.CLAN([(f"clan.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
+                  warmup_steps=1, min_compress_bytes=0)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = data(step, r)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    from gradpress.optim import LANS
+    res["clan_is_lans"] = torch.tensor(isinstance(opt, LANS))
+    res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # 3. gradient accumulation: one push_pull per parameter per step, not per backward pass
     model = net(3)
     opt = gp.DistributedOptimizer(sgd(model), named_parameters=[
@@ -154,6 +166,7 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
                                rtol=1e-5, atol=1e-6)
     for spec in CODECS:
         assert torch.isfinite(w0[spec]).all() and not torch.equal(w0[spec], w0["none"]), spec
+    assert bool(w0["clan_is_lans"]) and torch.isfinite(w0["clan"]).all()
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]

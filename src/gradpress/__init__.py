@@ -37,6 +37,7 @@ _LAZY = {
     "save_server_state": "gradpress.api",
     "load_server_state": "gradpress.api",
     "DistributedOptimizer": "gradpress.torch.optimizer",
+    "CLAN": "gradpress.torch.clan",
     "broadcast_parameters": "gradpress.torch.broadcast",
     "broadcast_optimizer_state": "gradpress.torch.broadcast",
     "broadcast_object": "gradpress.torch.broadcast",
