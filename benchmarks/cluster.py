@@ -45,7 +45,7 @@ SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-none", "gp-onebit", "gp-t
            "gp-ddp-hook")
 LABELS = {"ddp-fp32": "DDP fp32 (gloo)", "ddp-fp16": "DDP + fp16 hook",
           "ddp-powersgd": "DDP + PowerSGD hook (rank 4)", "gp-none": "gradpress none",
-          "gp-onebit": "gradpress CLAN onebit", "gp-topk": "gradpress CLAN topk 0.1% fp16",
+          "gp-onebit": "gradpress onebit", "gp-topk": "gradpress topk 0.1% fp16",
           "gp-ddp-hook": "DDP + gradpress two-way onebit hook"}
 BATCH = {"vgg": 8, "bert": 4}
 PARTS = ("speed", "loopback", "scaling")
@@ -69,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     p.add_argument("--models", help="comma-separated subset of vgg,bert (default both; quick vgg)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems of the speed part")
+    p.add_argument("--scaling-systems", default="gp-none,gp-onebit",
+                   help="gradpress systems of the scaling part (gp-none,gp-onebit)")
     p.add_argument("--rate", default="1gbit", help="per-host link rate (tc syntax; 1gbit)")
     p.add_argument("--hosts", type=int, default=2, help="hosts of the speed part (2)")
     p.add_argument("--topology", choices=("cluster", "ns"), default="cluster",
@@ -87,12 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    if m]
     args.systems = [s for s in args.systems.split(",") if s]
     args.parts = [s for s in args.parts.split(",") if s]
+    args.scaling_systems = [s for s in args.scaling_systems.split(",") if s]
     args.warmup = 2 if args.quick and args.warmup is None else 3 if args.warmup is None \
         else args.warmup
     args.steps = 3 if args.quick and args.steps is None else 5 if args.steps is None \
         else args.steps
     for name, vals, ok in (("--models", args.models, ("vgg", "bert")),
-                           ("--systems", args.systems, SYSTEMS), ("--parts", args.parts, PARTS)):
+                           ("--systems", args.systems, SYSTEMS), ("--parts", args.parts, PARTS),
+                           ("--scaling-systems", args.scaling_systems, GP_SYSTEMS)):
         if not vals or set(vals) - set(ok):
             p.error(f"{name} must be a non-empty subset of {','.join(ok)}, got {vals!r}")
     for name in ("hosts", "warmup", "steps", "batch"):
@@ -225,10 +229,10 @@ def part_loopback(drv: Driver) -> dict:
 
 
 def part_scaling(drv: Driver, net: Net) -> dict:
-    """Part 3: 2/4 workers x 1/2 servers, gradpress none and onebit, one namespace."""
+    """Part 3: 2/4 workers x 1/2 servers, gradpress systems (none, onebit), one namespace."""
     res = {}
     for w, s in SCALING:
-        for system in ("gp-none", "gp-onebit"):
+        for system in drv.args.scaling_systems:
             r = drv.job(net, system, "vgg", wpn=w, spn=s)
             res[f"{w}x{s}/{system}"] = r
             print(f"  scaling W={w} S={s} {system}: {r['median_s']:.3f} s/step", flush=True)
@@ -240,16 +244,17 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
-def speed_table(model: str, res: dict) -> list[str]:
-    base = res.get("ddp-fp32")
-    rows = ["| system | s/step median (best) | speed-up vs DDP fp32 | MB/step on host link "
-            "(rx+tx) | gradpress MB/worker/step |", "|---|---|---|---|---|"]
+def speed_table(res: dict, base_key: str = "ddp-fp32") -> list[str]:
+    """Rows of one speed table; speed-ups against ``res[base_key]`` when present."""
+    base = res.get(base_key)
+    rows = [f"| system | s/step median (best) | speed-up vs {LABELS[base_key]} | MB/step on host "
+            "link (rx+tx) | gradpress MB/worker/step |", "|---|---|---|---|---|"]
     for system, r in res.items():
         up = f"{base['median_s'] / r['median_s']:.2f}x" if base else "-"
+        link = f"{r['iface_mb']:.1f}" if "iface_mb" in r else "-"
         gp = f"{r['gp_mb']:.2f}" if "gp_mb" in r else ""
         rows.append(f"| {LABELS[system]} | {r['median_s']:.3f} ({r['best_s']:.3f}) | {up} | "
-                    f"{r['iface_mb']:.1f} | {gp} |" if "iface_mb" in r else
-                    f"- | {gp} |")
+                    f"{link} | {gp} |")
     return rows
 
 
@@ -310,11 +315,11 @@ def main(argv: list[str] | None = None) -> int:
             results["speed"] = part_speed(drv, net)
             for model, res in results["speed"].items():
                 lines += [f"\n{model} at {args.rate} per host ({net.what}):", "",
-                          *speed_table(model, res)]
+                          *speed_table(res)]
         if "loopback" in args.parts:
             results["loopback"] = part_loopback(drv)
             lines += ["\nloopback (vgg, 2 workers + 2 servers, no limit):", "",
-                      *speed_table("vgg", results["loopback"])]
+                      *speed_table(results["loopback"], "gp-none")]
         if "scaling" in args.parts:
             net = _cluster_net(stack, 1, args.rate, "ns")
             results["scaling"] = part_scaling(drv, net)

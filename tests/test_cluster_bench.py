@@ -1,0 +1,47 @@
+"""Fast checks of benchmarks/cluster.py that need neither root nor a network: arguments,
+models and the target table."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import cluster  # noqa: E402
+import cluster_models  # noqa: E402
+
+
+def test_defaults_and_quick() -> None:
+    a = cluster.parse_args([])
+    assert (a.models, a.warmup, a.steps, a.rate) == (["vgg", "bert"], 3, 5, "1gbit")
+    assert a.systems == list(cluster.SYSTEMS) and a.parts == list(cluster.PARTS)
+    q = cluster.parse_args(["--quick"])
+    assert (q.models, q.warmup, q.steps) == (["vgg"], 2, 3)
+    assert cluster.parse_args(["--quick", "--steps", "7"]).steps == 7
+
+
+@pytest.mark.parametrize("argv", [["--models", "resnet"], ["--systems", "ddp-fp32,x"],
+                                  ["--parts", ""], ["--steps", "0"], ["--hosts", "0"]])
+def test_bad_arguments_exit(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        cluster.parse_args(argv)
+
+
+def test_models_are_large_enough() -> None:
+    vgg = cluster_models.build_model("vgg")
+    assert cluster_models.count_parameters(vgg) >= 30_000_000
+    bert = cluster_models.build_model("bert")
+    batch = cluster_models.make_batch("bert", 2, seed=1)
+    loss = cluster_models.loss_of(bert, "bert", batch)
+    assert loss.ndim == 0 and loss.item() > 0
+    with pytest.raises(ValueError, match="model must be one of"):
+        cluster_models.build_model("resnet")
+
+
+def test_target_rows() -> None:
+    r = {"median_s": 1.0, "best_s": 1.0}
+    speed = {"vgg": {"ddp-fp32": {**r, "median_s": 9.0}, "ddp-powersgd": {**r, "median_s": 1.2},
+                     "gp-onebit": r}}
+    loop = {"gp-none": r, "gp-onebit": {**r, "median_s": 1.1}, "gp-topk": {**r, "median_s": 1.3}}
+    rows = cluster.target_rows(speed, loop)
+    assert [row.split("|")[-2].strip() for row in rows[2:]] == ["PASS", "FAIL", "PASS", "FAIL"]
