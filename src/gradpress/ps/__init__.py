@@ -4,13 +4,16 @@ and server engine. The public entry points are in :mod:`gradpress.api` (``gradpr
 
 from .config import ClusterConfig, PSConfig
 from .errors import (
+    AuthError,
     CommTimeoutError,
     ConfigMismatchError,
     GradpressError,
     KeyCollisionError,
     NotInitializedError,
+    PayloadError,
     PeerError,
 )
 
 __all__ = ["PSConfig", "ClusterConfig", "GradpressError", "CommTimeoutError", "PeerError",
-           "ConfigMismatchError", "KeyCollisionError", "NotInitializedError"]
+           "PayloadError", "AuthError", "ConfigMismatchError", "KeyCollisionError",
+           "NotInitializedError"]

@@ -205,10 +205,8 @@ class Cluster:
                                     rank=self.rank, world_size=lay.world_size,
                                     timeout=_timedelta(self.timeout))
         except Exception as e:  # noqa: BLE001 - name who is missing instead of a store key
-            missing = [self.describe(r) for r in range(lay.world_size)
-                       if not self.store.check([f"joined/{r}"])]
             raise GradpressError(f"{self.describe(self.rank)}: process group rendezvous failed "
-                                 f"(not arrived: {', '.join(missing) or 'none'}): {e}") from e
+                                 f"(not arrived: {self._not_arrived()}): {e}") from e
         self._joined = True
         # new_group is collective over the world: every process creates every group, in order
         tmo = _timedelta(self.timeout)
@@ -221,6 +219,15 @@ class Cluster:
                     dist.new_group(ranks, backend="gloo", timeout=tmo))
             if self.rank in ranks:
                 self.local_groups = pair
+
+    def _not_arrived(self) -> str:
+        """The processes that did not reach the process group rendezvous (best effort)."""
+        try:
+            missing = [self.describe(r) for r in range(self.layout.world_size)
+                       if not self.store.check([f"joined/{r}"])]
+        except Exception:  # noqa: BLE001 - the store is gone: nothing more to say
+            return "unknown"
+        return ", ".join(missing) or "none"
 
     def _agree_on_job(self) -> None:
         """Every process must see the same job shape (the first to arrive sets it)."""
