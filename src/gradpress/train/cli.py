@@ -222,18 +222,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gradpress.train.cli {train,demo} ...`` (the same as ``gradpress train``)."""
-    parser = argparse.ArgumentParser(prog="python -m gradpress.train.cli")
-    sub = parser.add_subparsers(dest="subcommand", required=True)
-    for name, add, run in (("train", add_train_arguments, run_train),
-                           ("demo", add_demo_arguments, run_demo)):
-        add(sub.add_parser(name)).set_defaults(_run=run)
-    args = parser.parse_args(argv)
-    try:
-        return int(args._run(args))
-    except ValueError as e:
-        parser.exit(2, f"gradpress {args.subcommand}: error: {e}\n")
-    return 2  # unreachable: parser.exit raises SystemExit
+    """``python -m gradpress.train.cli {train,demo} ...``: the same as ``gradpress train|demo``."""
+    from ..cli import main as gradpress_main
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] not in ("train", "demo"):
+        raise SystemExit("usage: python -m gradpress.train.cli {train,demo} ...")
+    return gradpress_main(args)
 
 
 if __name__ == "__main__":
