@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from gradpress.compress import build, codec_names
+from gradpress.sim.rates import best_time
 
 SPECS = ("none", "fp16", "bf16", "onebit", "topk:k=0.001", "topk:k=0.001,values=fp16",
          "randomk:k=0.01", "dithering:s=7", "dithering:s=7,partition=natural")
@@ -48,17 +49,6 @@ EF_SPECS = ("onebit", "fp16", "bf16", "topk:k=0.001", "topk:k=0.001,values=fp16"
 #: fraction of the copy speed the fused error-feedback compress must reach
 EF_TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "topk": 0.25}
 SCALING_TARGET = 1.6
-
-
-def best_time(fn: Callable[[], object], reps: int) -> float:
-    """Best wall time of ``reps`` calls after one warm-up call (compilation, page faults)."""
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 # -- naive torch-ops references: (compress, decompress) closures over the input -----------------

@@ -29,7 +29,8 @@ import torch
 
 from ..compress import build, parse_spec
 
-__all__ = ["CodecRates", "DEFAULT_RATES", "default_rates", "measure_rates", "parse_rates"]
+__all__ = ["CodecRates", "DEFAULT_RATES", "best_time", "default_rates", "measure_rates",
+           "parse_rates"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ def default_rates(spec: str) -> CodecRates:
     return DEFAULT_RATES[key]
 
 
-def _best(fn: Callable[[], object], reps: int) -> float:
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    """Best wall time of ``reps`` calls after one warm-up call (compilation, page faults)."""
     fn()
     best = math.inf
     for _ in range(reps):
@@ -111,9 +113,9 @@ def measure_rates(spec: str, numel: int = 1 << 20, reps: int = 5) -> CodecRates:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        tc = _best(lambda: codec.compress(x, out=payload, lr=0.1), reps)
-        td = _best(lambda: codec.decompress(payload, out=dense), reps)
-        ta = _best(lambda: codec.decompress_add(payload, acc), reps)
+        tc = best_time(lambda: codec.compress(x, out=payload, lr=0.1), reps)
+        td = best_time(lambda: codec.decompress(payload, out=dense), reps)
+        ta = best_time(lambda: codec.decompress_add(payload, acc), reps)
     finally:
         torch.set_num_threads(threads)
     gb = 4.0 * numel / 1e9
