@@ -33,7 +33,10 @@ as JSON files in a temporary directory.
     peak (``/proc/self/clear_refs`` = 5); rank 0 does the same for the server process (the
     launcher's child running ``gradpress.ps.server``). After the steps: added = VmHWM - that
     VmRSS, relative to the gradient bytes (worker) and to the fp32 bytes of the keys the server
-    owns (server). Target <= 2x for the compressed codecs (``none`` is reported only).
+    owns (server). Target <= 2x for the compressed codecs (``none`` is reported only). The
+    gradients are averaged in place (``push_pull(t, ..., out=t)``, as ``DistributedOptimizer``
+    does); results in new tensors would add the caller's 1x (``benchmarks/soak.py`` measures
+    both).
 """
 
 from __future__ import annotations
@@ -108,10 +111,11 @@ class _Worker:
         g = torch.Generator().manual_seed(1000 + self.rank)
         self.grads = [torch.randn(cfg["numel"], generator=g) for _ in range(cfg["tensors"])]
 
-    def step(self, codec: str, tag: str = "g") -> list:
+    def step(self, codec: str, tag: str = "g", inplace: bool = False) -> list:
         ef = "none" if codec == NONE else "vanilla"
         hs = [self.gp.push_pull_async(t, name=f"{tag}/{codec}/{i}", compression=codec, ef=ef,
-                                      min_compress_bytes=0) for i, t in enumerate(self.grads)]
+                                      min_compress_bytes=0, out=t if inplace else None)
+              for i, t in enumerate(self.grads)]
         return [h.wait() for h in hs]
 
     def timed_step(self, codec: str) -> dict:
@@ -163,7 +167,7 @@ class _Worker:
             _reset_peak(p)
         self.gp.barrier()
         for _ in range(self.cfg["steps"]):
-            ys = self.step(codec)
+            ys = self.step(codec, inplace=True)  # as DistributedOptimizer: averaged in place
             del ys
         self.gp.barrier()
         peak = {p: _status_kb(p, "VmHWM") for p in base}

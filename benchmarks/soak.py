@@ -19,7 +19,9 @@ big      one model of ``--numel`` elements in tensors of 4 Mi elements, one laun
          after ``init`` and a warm-up push_pull the worker reads VmRSS and resets its peak
          (``/proc/self/clear_refs`` = 5), then allocates the gradients and runs 3 steps.
          peak/grad = (VmHWM - that VmRSS) / (4 * numel): everything the step needs, the
-         gradient itself included (target <= 3).
+         gradient itself included (target <= 3). ``--big-results``: ``inplace`` averages
+         each gradient in place (``out=t``, what ``DistributedOptimizer`` does), ``new``
+         returns new result tensors (one more gradient-sized buffer while they are held).
 failure  time from SIGKILL of a process to the exit of every other process, with
          ``GRADPRESS_TIMEOUT=10``: a worker killed while its peer computes (no launcher: the
          watchdog must end the busy worker), and a server killed under the launcher.
@@ -96,7 +98,8 @@ def _big(gp: object, cfg: dict) -> dict:
     t0 = time.perf_counter()
     for _ in range(3):
         hs = [gp.push_pull_async(t, f"m{i}", compression=codec, ef=ef,  # type: ignore[attr-defined]
-                                 min_compress_bytes=0) for i, t in enumerate(grads)]
+                                 min_compress_bytes=0, out=t if cfg["inplace"] else None)
+              for i, t in enumerate(grads)]
         ys = [h.wait() for h in hs]
         del ys
     return {"peak_added": 1024 * (_status_kb("VmHWM") - base), "grad_bytes": 4 * cfg["numel"],
@@ -170,15 +173,20 @@ def part_soak(args: argparse.Namespace, tmp: Path) -> dict:
 
 def part_big(args: argparse.Namespace, tmp: Path) -> dict:
     out = {}
-    for name in args.big_codecs.split(","):
-        res = _launch({"part": "big", "name": f"big-{name.replace('+', '_')}", "codec": name,
-                       "numel": args.numel}, tmp, 1800)
-        ratios = [w["peak_added"] / w["grad_bytes"] for w in res]
-        out[name] = {"peak_over_grad": ratios, "step_s": [w["step_s"] for w in res]}
-        print(f"big {name:10s}: {args.numel / 1e6:.0f}M elements, peak/grad per worker "
-              f"{', '.join(f'{x:.2f}' for x in ratios)} with the gradient (target <= 3), "
-              f"{', '.join(f'{x - 1:.2f}' for x in ratios)} without; "
-              f"{max(out[name]['step_s']):.2f} s/step", flush=True)
+    for results in args.big_results.split(","):
+        if results not in ("inplace", "new"):
+            raise SystemExit(f"--big-results: expected inplace and/or new, got {results!r}")
+        for name in args.big_codecs.split(","):
+            res = _launch({"part": "big", "name": f"big-{name.replace('+', '_')}-{results}",
+                           "codec": name, "numel": args.numel,
+                           "inplace": results == "inplace"}, tmp, 1800)
+            ratios = [w["peak_added"] / w["grad_bytes"] for w in res]
+            out[f"{name}/{results}"] = {"peak_over_grad": ratios,
+                                        "step_s": [w["step_s"] for w in res]}
+            print(f"big {name:10s} {results:7s}: {args.numel / 1e6:.0f}M elements, peak/grad "
+                  f"per worker {', '.join(f'{x:.2f}' for x in ratios)} with the gradient "
+                  f"(target <= 3), {', '.join(f'{x - 1:.2f}' for x in ratios)} without; "
+                  f"{max(r['step_s'] for r in res):.2f} s/step", flush=True)
     return out
 
 
@@ -267,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--big-codecs", default="none,fp16,onebit,onebit+ef,topk+ef")
+    ap.add_argument("--big-results", default="inplace,new",
+                    help="big: results written into the gradient (out=t, as "
+                         "DistributedOptimizer does) and/or into new tensors")
     ap.add_argument("--json", help="write all figures to this file")
     args = ap.parse_args(argv)
     if args.worker:

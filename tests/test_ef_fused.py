@@ -163,3 +163,38 @@ def test_topk_sampler_adversary_still_exact():
     idx = codec.compress(x)[40:40 + 4 * codec.kk].view(torch.int32).long()
     expected = torch.topk(x.abs(), codec.kk).indices.sort().values
     assert torch.equal(idx, expected)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.startswith("topk")])
+def test_topk_keeps_one_residual_buffer_and_rejects_overflow(spec):
+    """topk writes p over the residual (no second residual-sized buffer is ever written), and a
+    finite input whose sum with the residual overflows is rejected with the residual intact."""
+    codec = build(spec, 1000, ef="vanilla")
+    codec.compress((torch.rand(1000) - 0.5) * 2 * 3e38, key=KEY, step=0)  # residuals ~3e38
+    ptr = codec.residual.data_ptr()
+    for step in range(1, 4):
+        before = codec.residual.clone()
+        big = before.abs().argmax()  # still ~3e38: only k entries are sent per step
+        x = torch.randn(1000)
+        x[big] = 3e38 * torch.sign(before[big])  # finite, but x + e overflows at `big`
+        with pytest.raises(ValueError, match="non-finite"):
+            codec.compress(x, key=KEY, step=step)
+        assert torch.equal(bits(codec.residual), bits(before))
+        x[big] = 0.0
+        codec.compress(x, key=KEY, step=step)
+        assert codec.residual.data_ptr() == ptr, "the residual moved to another buffer"
+
+
+def test_p_all_finite():
+    import numpy as np
+
+    from gradpress.compress.kernels.common import ef_args, p_all_finite
+
+    g, e = np.ones(9, np.float32), np.ones(9, np.float32)
+    assert p_all_finite(g, e, *ef_args(1.0)) and p_all_finite(g[:0], e[:0], *ef_args(1.0))
+    e[4] = 3e38
+    g[4] = 3e38
+    assert not p_all_finite(g, e, *ef_args(1.0))
+    assert p_all_finite(g, e, *ef_args(-1.0))  # 3e38 - 3e38 = 0
+    g[4] = np.nan
+    assert not p_all_finite(g, e, *ef_args(0.5))

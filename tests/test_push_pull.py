@@ -60,6 +60,18 @@ WORKER = textwrap.dedent('''
             assert y.shape == ref.shape and y.dtype == dt, (name, y.shape, y.dtype)
             assert torch.equal(bits(y), bits(ref)), (name, step, (y - ref).abs().max())
             results[f"none/{name}/{step}"] = y
+        check_out(step)
+
+    def check_out(step):  # out= : in place (out is the input) and into a separate buffer
+        for i, s in enumerate(SHAPES[2:], start=2):
+            ref = sum(make(w, i, step, s) for w in range(W)) / W
+            x = make(r, i, step, s)
+            y = gp.push_pull(x, f"inplace{i}", out=x)
+            assert y.data_ptr() == x.data_ptr() and torch.equal(bits(x), bits(ref)), (i, step)
+            buf = torch.full((ref.numel(),), float("nan"))
+            y = gp.push_pull_async(make(r, i, step, s), f"outbuf{i}", out=buf).wait()
+            assert y.data_ptr() == buf.data_ptr() and y.shape == buf.shape, (i, y.shape)
+            assert torch.equal(bits(buf), bits(ref)), (i, step)
 
     ONEBIT = [("ob_a", (2503,), "vanilla", None), ("ob_b", (3, 100), "vanilla", None),
               ("ob_c", (1200,), "corrected", 0.1)]
@@ -98,6 +110,21 @@ WORKER = textwrap.dedent('''
             raise AssertionError(f"push_pull accepted {bad!r}")
         except exc as e:
             assert "'bad'" in str(e), e
+    x = torch.ones(8)
+    for out, exc, word in ((torch.ones(8, dtype=torch.float64), TypeError, "float32"),
+                           (torch.ones(4, 4).t(), TypeError, "contiguous"),
+                           (torch.ones(7), ValueError, "7 elements")):
+        try:
+            gp.push_pull(x, "badout", out=out)
+            raise AssertionError(f"push_pull accepted out={out!r}")
+        except exc as e:
+            assert "'badout'" in str(e) and word in str(e), e
+    big = torch.ones(16)
+    try:
+        gp.push_pull(big[:8], "overlap", out=big[4:12])
+        raise AssertionError("push_pull accepted an out overlapping the input")
+    except ValueError as e:
+        assert "overlaps" in str(e), e
     try:
         gp.push_pull(torch.ones(2), "")
         raise AssertionError("push_pull accepted an empty name")

@@ -199,15 +199,19 @@ def worker_group() -> dist.ProcessGroup:
 
 def push_pull_async(tensor: torch.Tensor, name: str, average: bool = True,
                     compression: Compression = None, ef: str | None = None, *,
-                    lr: float | None = None, min_compress_bytes: int | None = None) -> Handle:
-    """Start summing ``tensor`` over all workers through the servers; see :func:`push_pull`."""
+                    lr: float | None = None, min_compress_bytes: int | None = None,
+                    out: torch.Tensor | None = None) -> Handle:
+    """Start summing ``tensor`` over all workers through the servers; see :func:`push_pull`.
+
+    Do not modify ``tensor`` (or ``out``) before the handle completes."""
     return _rt().submit(tensor, name, average=average, compression=compression, ef=ef, lr=lr,
-                        min_compress_bytes=min_compress_bytes)
+                        min_compress_bytes=min_compress_bytes, out=out)
 
 
 def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
               compression: Compression = None, ef: str | None = None, *,
-              lr: float | None = None, min_compress_bytes: int | None = None) -> torch.Tensor:
+              lr: float | None = None, min_compress_bytes: int | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum (or average) ``tensor`` over all workers; every worker gets identical values.
 
     Args:
@@ -221,9 +225,12 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
         lr: learning rate of this step, carried to the servers (corrected error feedback).
         min_compress_bytes: tensors smaller than this travel uncompressed (default from the
             config, 1 MiB).
+        out: write the result here and return it (viewed with its own shape) instead of a new
+            tensor: a contiguous float32 CPU tensor with the input's number of elements. It may
+            be ``tensor`` itself (in place, no extra memory); it must not overlap it otherwise.
     """
     return push_pull_async(tensor, name, average, compression, ef, lr=lr,
-                           min_compress_bytes=min_compress_bytes).wait()
+                           min_compress_bytes=min_compress_bytes, out=out).wait()
 
 
 def stats() -> dict[str, float]:

@@ -13,8 +13,10 @@ Wire formats (after the 40-byte header), with ``kk`` the resolved count (see :fu
   paths produce byte-identical payloads. The effective seed is part of the config fingerprint, so
   peers built with different seeds reject each other's payloads instead of mis-decoding them.
 
-Error feedback with ``topk`` on CPU (``_encode_ef_fused``) stores ``p = x + e`` once where the
-residual will live, selects from it and fixes only the ``kk`` sent entries (no dense decode).
+Error feedback with ``topk`` on CPU (``_encode_ef_fused``) stores ``p = x + e`` over the residual
+(under ``nan_policy="raise"`` only after a read-only pass found every ``p`` finite, so a rejected
+input leaves the residual intact without a second residual-sized buffer), selects from it and
+fixes only the ``kk`` sent entries (no dense decode).
 
 References: Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017
 (top-k); Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018 (top-k, random-k).
@@ -33,7 +35,7 @@ from .base import Codec
 from .cast import _require_cpu
 from .header import Header
 from .kernels import sparse as K
-from .kernels.common import ef_args, fill_p
+from .kernels.common import ef_args, fill_p, p_all_finite
 from .registry import register
 from .spec import Param, choice, parse_int, parse_k
 
@@ -148,15 +150,17 @@ class TopK(_Sparse):
         if self.use_torch(g.device):
             return None
         _require_cpu(self, g)
-        # 1. p = g + ratio * e, stored where the residual will live: over e unless a rejected
-        #    input must leave e intact ("raise": the finite check is part of the selection)
-        res = spare if self.nan_policy == "raise" else e
-        ra = res.numpy()
-        fill_p(g.numpy(), e.numpy(), *ef_args(ratio), ra, res is e)
-        # 2. select and gather from p; 3. residual = p - decode: only the k sent entries change
-        self._encode_numba(ra, body, key)
-        self._scatter_numba(body, ra, -1.0, key, accumulate=True)
-        return res
+        ga, ea, (r, mode) = g.numpy(), e.numpy(), ef_args(ratio)
+        # 1. "raise": p must be finite before it may overwrite the residual (a rejected input
+        #    leaves e intact); checked in a read-only pass, so no second residual-sized buffer
+        if self.nan_policy == "raise" and not p_all_finite(ga, ea, r, mode):
+            raise _non_finite(self.name, key)
+        # 2. p = g + ratio * e, stored over e, where the residual lives
+        fill_p(ga, ea, r, mode, ea, True)
+        # 3. select and gather from p; 4. residual = p - decode: only the k sent entries change
+        self._encode_numba(ea, body, key)
+        self._scatter_numba(body, ea, -1.0, key, accumulate=True)
+        return e
 
     def _encode_torch(self, x: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor,
                       key: int) -> None:

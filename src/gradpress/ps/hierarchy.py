@@ -32,7 +32,7 @@ from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError
 from .handle import Handle
-from .worker import WorkerEngine, flat_fp32
+from .worker import WorkerEngine, check_out, flat_fp32
 
 __all__ = ["HierarchicalEngine"]
 
@@ -75,11 +75,17 @@ class HierarchicalEngine:
                 from self._error
         self.engine.check_call(name, kwargs.get("compression"), kwargs.get("ef"),
                                kwargs.get("lr"))
-        flat = flat_fp32(tensor, name).clone()  # reduced in place
+        out = kwargs.pop("out", None)
+        src = flat_fp32(tensor, name)
+        if out is None:
+            flat, like = src.clone(), tensor  # reduced in place
+        else:
+            flat, like = check_out(out, src, name), out
+            if flat.data_ptr() != src.data_ptr():
+                flat.copy_(src)
         # the leader's engine counts its own calls; the others count theirs here
         on_done = None if self.is_leader else self._count
-        handle = Handle(name, flat, tensor.shape, tensor.dtype, tensor.device, 1,
-                        on_done=on_done)
+        handle = Handle(name, flat, like.shape, like.dtype, like.device, 1, on_done=on_done)
         self._reduce_q.put((flat, name, kwargs, handle))
         return handle
 
@@ -120,13 +126,13 @@ class HierarchicalEngine:
                 handle: Handle) -> None:  # steps 1-2
         self._collective("local reduce", name, lambda: dist.reduce(
             flat, self.leader, op=dist.ReduceOp.SUM, group=self._reduce_group))
-        inner = self.engine.submit(flat, name, **kwargs) if self.is_leader else None
+        inner = self.engine.submit(flat, name, out=flat, **kwargs) if self.is_leader else None
         self._bcast_q.put((flat, name, inner, handle))
 
     def _broadcast(self, flat: torch.Tensor, name: str, inner: Handle | None,
                    handle: Handle) -> None:  # step 3
         if inner is not None:
-            flat.copy_(inner.wait())
+            inner.wait()  # the leader's result is in flat (in place)
         self._collective("local broadcast", name, lambda: dist.broadcast(
             flat, self.leader, group=self._bcast_group))
         handle._chunk_done()

@@ -35,6 +35,7 @@ from ..compress import build
 from ..compress.base import Codec
 from ..compress.spec import CodecSpec, parse_spec
 from .budget import ByteBudget
+from .buffers import BufferPool
 from .cluster import Cluster
 from .config import PSConfig
 from .engine_state import WorkerStateMixin
@@ -43,10 +44,10 @@ from .handle import Handle
 from .partition import assign_balanced, chunk_key, chunk_layout
 from .protocol import CTRL_BYTES, OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
-from .transport import CTRL_TAG, Op, Transport, payload_buffer
+from .transport import CTRL_TAG, Op, Transport
 from .validate import decode_reply
 
-__all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32"]
+__all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32", "check_out"]
 
 log = logging.getLogger(__name__)
 _NO_EF = (None, "", "none")
@@ -72,6 +73,32 @@ def resolve_codec(compression: str | Mapping[str, Any] | CodecSpec | None, ef: s
     return CodecSpec(cs.name, dict(cs.params)), wrappers
 
 
+def check_out(out: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+    """Validate ``out=`` of a push_pull whose input is ``flat``; returns its flat view.
+
+    ``out`` must be a contiguous float32 CPU tensor with the input's number of elements; it may
+    be the input itself (in place) but must not overlap it otherwise.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"push_pull({name!r}): out must be a torch.Tensor, got "
+                        f"{type(out).__name__}")
+    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+        raise TypeError(f"push_pull({name!r}): out must be a contiguous float32 CPU tensor, got "
+                        f"{out.dtype} on {out.device}"
+                        f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if out.numel() != flat.numel():
+        raise ValueError(f"push_pull({name!r}): out has {out.numel()} elements, the tensor has "
+                         f"{flat.numel()}")
+    o = out.reshape(-1)
+    if o.numel() and o.data_ptr() != flat.data_ptr():
+        lo, hi = flat.data_ptr(), flat.data_ptr() + 4 * flat.numel()
+        if o.data_ptr() < hi and lo < o.data_ptr() + 4 * o.numel():
+            raise ValueError(f"push_pull({name!r}): out overlaps the input tensor without being "
+                             f"the same memory; pass the tensor itself (in place) or a separate "
+                             f"buffer")
+    return o
+
+
 def flat_fp32(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """``tensor`` as a flat, contiguous float32 CPU tensor (no copy when it already is one)."""
     if not isinstance(tensor, torch.Tensor):
@@ -93,8 +120,7 @@ class _ChunkState:
     server_name: str
     enc: Codec
     dec: Codec
-    send: torch.Tensor
-    recv: torch.Tensor
+    nbytes: int  # payload bytes each way (the wire buffers are lent per step by the pool)
     ctrl: torch.Tensor = field(default_factory=lambda: torch.empty(CTRL_BYTES,
                                                                      dtype=torch.uint8))
     step: int = 0
@@ -127,6 +153,8 @@ class _Job:
     handle: Handle
     lr: float | None
     step: int = 0
+    send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
+    recv: torch.Tensor | None = None
     ops: list[Op] = field(default_factory=list)
     recv_op: Op | None = None
     t_sent: float = 0.0
@@ -153,6 +181,7 @@ class WorkerEngine(WorkerStateMixin):
         self._valid_specs: set[str] = set()
         self._server_loads = [0] * cluster.layout.num_servers
         self._budget = ByteBudget(cfg.inflight_bytes)
+        self._buffers = BufferPool(2 * cfg.inflight_bytes)  # send + receive of what is in flight
         self._lock = threading.Lock()
         self._live: set[Handle] = set()
         self._error: BaseException | None = None
@@ -176,15 +205,21 @@ class WorkerEngine(WorkerStateMixin):
     def submit(self, tensor: torch.Tensor, name: str, *, average: bool = True,
                compression: str | Mapping[str, Any] | CodecSpec | None = None,
                ef: str | None = None, lr: float | None = None,
-               min_compress_bytes: int | None = None) -> Handle:
-        """Start a push_pull of ``tensor`` under ``name``; returns a :class:`Handle`."""
+               min_compress_bytes: int | None = None, out: torch.Tensor | None = None) -> Handle:
+        """Start a push_pull of ``tensor`` under ``name``; returns a :class:`Handle`.
+
+        With ``out`` (see :func:`check_out`) the result is written there, which may be
+        ``tensor`` itself: chunk i's result lands only after chunk i was compressed.
+        """
         self._check_usable()
         flat = flat_fp32(tensor, name)
+        dst = None if out is None else check_out(out, flat, name)
         plan = self._plan(name, flat.numel(), average, compression, ef, lr, min_compress_bytes)
         if plan.last is not None and not plan.last.is_set():
             plan.last.wait(self.cfg.timeout)  # one step per key in flight
-        out = torch.empty(flat.numel(), dtype=torch.float32)
-        handle = Handle(name, out, tensor.shape, tensor.dtype, tensor.device, len(plan.chunks),
+        like = tensor if out is None else out  # the result's shape, dtype and device
+        out = torch.empty(flat.numel(), dtype=torch.float32) if dst is None else dst
+        handle = Handle(name, out, like.shape, like.dtype, like.device, len(plan.chunks),
                         on_done=self._on_done)
         plan.last = handle.completion  # not the handle: its result is the caller's to keep
         with self._lock:
@@ -232,6 +267,7 @@ class WorkerEngine(WorkerStateMixin):
         for t in self._threads:
             t.join(self.cfg.timeout)
         self._pool.shutdown(wait=self._error is None)
+        self._buffers.clear()
         if self._error is not None:
             return
         stop = pack_control(Control(OP_STOP))
@@ -299,8 +335,7 @@ class WorkerEngine(WorkerStateMixin):
             enc = build(spec, c.numel, seed=self.cfg.seed, **wrappers)
             srank = self.cluster.layout.server_rank(desc.server)
             chunks.append(_ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
-                                      payload_buffer(dec.payload_bytes),  # framed (transport)
-                                      payload_buffer(dec.payload_bytes)))
+                                      dec.payload_bytes))
         return _Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
 
     def _agree(self, key: int, desc: KeyDescriptor) -> KeyDescriptor:
@@ -328,23 +363,24 @@ class WorkerEngine(WorkerStateMixin):
             self.fail(e)
 
     def _dispatch(self, job: _Job) -> None:  # step 1
-        self._budget.acquire(job.cs.send.numel(), self.cfg.timeout, job.cs.label)
+        n = job.cs.nbytes
+        self._budget.acquire(n, self.cfg.timeout, job.cs.label)
+        job.send, job.recv = self._buffers.take(n), self._buffers.take(n)  # framed (transport)
         job.step = job.cs.step
         job.cs.step += 1
         self._pool.submit(self._guard, self._push, job)
 
     def _push(self, job: _Job) -> None:  # steps 2-3
-        cs, t0 = job.cs, time.perf_counter()
-        cs.enc.compress(job.x, key=cs.key, step=job.step, lr=job.lr, out=cs.send)
+        cs, send, t0 = job.cs, job.send, time.perf_counter()
+        cs.enc.compress(job.x, key=cs.key, step=job.step, lr=job.lr, out=send)
         t1 = time.perf_counter()
-        job.recv_op = self.transport.irecv(cs.recv, cs.server_rank, cs.key, cs.label, "pull")
-        pack_control(Control(OP_PUSH, cs.key, job.step, job.lr, cs.send.numel()), cs.ctrl)
+        job.recv_op = self.transport.irecv(job.recv, cs.server_rank, cs.key, cs.label, "pull")
+        pack_control(Control(OP_PUSH, cs.key, job.step, job.lr, cs.nbytes), cs.ctrl)
         job.ops = [self.transport.isend(cs.ctrl, cs.server_rank, CTRL_TAG, cs.label, "push"),
-                   self.transport.isend(cs.send, cs.server_rank, cs.key, cs.label, "push")]
+                   self.transport.isend(send, cs.server_rank, cs.key, cs.label, "push")]
         job.t_sent = t2 = time.perf_counter()
         self._recv_q.put(job)
-        self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=cs.send.numel(),
-                      chunks=1)
+        self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=cs.nbytes, chunks=1)
         self.tracer.add("compress", t0, t1, key=cs.key, step=job.step, name=cs.desc.name,
                         chunk=cs.desc.chunk)
 
@@ -361,11 +397,14 @@ class WorkerEngine(WorkerStateMixin):
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
-        decode_reply(cs.dec, cs.recv, job.out, key=cs.key, step=job.step,  # validated
+        decode_reply(cs.dec, job.recv, job.out, key=cs.key, step=job.step,  # validated
                      sender=cs.server_name, label=cs.label)
-        self._budget.release(cs.send.numel())
+        self._buffers.give(job.send)  # type: ignore[arg-type]
+        self._buffers.give(job.recv)  # type: ignore[arg-type]
+        job.send = job.recv = None
+        self._budget.release(cs.nbytes)
         t1 = time.perf_counter()
-        self.account(decompress_s=t1 - t0, bytes_pulled=cs.recv.numel())
+        self.account(decompress_s=t1 - t0, bytes_pulled=cs.nbytes)
         self.tracer.add("decompress", t0, t1, key=cs.key, step=job.step)
         job.handle._chunk_done()
 

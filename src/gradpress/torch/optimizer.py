@@ -90,6 +90,13 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     return obj
 
 
+def _in_place(grad: torch.Tensor) -> torch.Tensor | None:
+    """``grad`` itself when push_pull can average it in place (float32, CPU, contiguous),
+    saving a result buffer per gradient; else None (a new result, copied into ``p.grad``)."""
+    ok = grad.dtype == torch.float32 and grad.device.type == "cpu" and grad.is_contiguous()
+    return grad if ok else None
+
+
 class _Distributed:
     """Methods mixed into the dynamic subclass built by :func:`DistributedOptimizer`."""
 
@@ -152,11 +159,13 @@ class _Distributed:
             grad = torch.zeros_like(grad)
         if self._gp_steps < self._gp_warmup:  # uncompressed warm-up: separate dense keys
             self._gp_handles[p] = api.push_pull_async(
-                grad, self._gp_names[p] + "@dense", average=True, compression="none")
+                grad, self._gp_names[p] + "@dense", average=True, compression="none",
+                out=_in_place(grad))
             return
         self._gp_handles[p] = api.push_pull_async(
             grad, self._gp_names[p], average=True, compression=self._gp_spec,
-            lr=self._gp_lr[p]["lr"], min_compress_bytes=self._gp_min_bytes)
+            lr=self._gp_lr[p]["lr"], min_compress_bytes=self._gp_min_bytes,
+            out=_in_place(grad))
 
     # -- public ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -171,7 +180,7 @@ class _Distributed:
             avg = h.wait()
             if p.grad is None:
                 p.grad = avg.to(dtype=p.dtype)
-            else:
+            elif avg.data_ptr() != p.grad.data_ptr():  # else averaged in place already
                 p.grad.copy_(avg)
         self._gp_handles.clear()
         self._gp_counts.clear()
