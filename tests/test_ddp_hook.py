@@ -9,6 +9,9 @@ check them:
 * One bucket (uneven shards, two buckets in flight, several steps, overlap on and off): the hook's
   result equals a reference built from ``gradpress.compress.build`` only, bit for bit.
 * A pickled state resumes: the next step gives the same bytes as the uninterrupted state.
+
+A second spawn: rank 1 corrupts a push or a reply (key, step, codec id, NaN); every rank raises a
+PayloadError naming sender, bucket and shard, none hangs, the bucket buffer is zeroed.
 """
 
 import datetime
@@ -17,6 +20,7 @@ import pickle
 import socket
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -161,6 +165,99 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+# -- hostile senders: rank BAD corrupts what it sends -------------------------------------------
+BAD, BUCKET, NUMEL = 1, 3, 1001  # shards of 501 and 500 elements; keys 6 (shard 0) and 7
+HOSTILE = [(d, how, spec) for d in ("push", "reply") for how, spec in
+           [("key", SPEC), ("step", SPEC), ("codec", SPEC), ("nan", "none"), ("nan", SPEC)]]
+_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def corrupt(slot: torch.Tensor, how: str, spec: str, numel: int) -> None:
+    """Corrupt the payload at the start of ``slot`` (uint8, CPU) of a shard of ``numel``."""
+    a = slot.numpy()
+    if how == "key":
+        a[4:8].view(np.uint32)[0] += 1
+    elif how == "step":
+        a[16:24].view(np.int64)[0] += 5
+    elif how == "codec":
+        a[2] ^= 0xFF
+    else:  # NaN: the first value of a "none" payload, else the trailing fp32 scale (onebit)
+        at = 40 if spec == "none" else build(spec, numel).payload_bytes - 4
+        a[at:at + 4] = np.array([np.nan], dtype=np.float32).view(np.uint8)
+
+
+def corrupting(direction: str, how: str, spec: str, armed: list[bool]):
+    """Rank BAD's collective (all_to_all for pushes, all-gather for replies), corrupting its
+    payload for shard 0 (push) or its aggregate of shard BAD (reply) while ``armed[0]``."""
+    name = "all_to_all_single" if direction == "push" else _GATHER
+    orig = getattr(dist, name)
+
+    def call(output, inp, *args, **kwargs):
+        if armed[0] and direction == "push":  # slot 0 goes to rank 0, owner of shard 0 (501)
+            corrupt(inp[:inp.numel() // WORLD], how, spec, NUMEL - NUMEL // WORLD)
+        elif armed[0]:
+            corrupt(inp, how, spec, NUMEL // WORLD)
+        return orig(output, inp, *args, **kwargs)
+    return name, orig, call
+
+
+def outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # the test records whatever was raised
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+def hostile_case(rank: int, direction: str, how: str, spec: str) -> dict:
+    state = TwoWayCompressionState(spec, "vanilla", min_compress_bytes=0)
+    b = FakeBucket(BUCKET, NUMEL, last=True)
+    honest = run_buckets(state, [b], rank, range(1))[0][0]  # step 0 is honest
+    armed = [rank == BAD]
+    name, orig, call = corrupting(direction, how, spec, armed)
+    setattr(dist, name, call)
+    try:
+        b.buf.copy_(grad(rank, BUCKET, 1, NUMEL))
+        kind, msg = outcome(lambda: two_way_compression_hook(state, b).wait())
+        armed[0] = False
+        again = outcome(lambda: two_way_compression_hook(state, b).wait())
+    finally:
+        setattr(dist, name, orig)
+    dist.barrier()  # every collective was matched: the group still works
+    return {"kind": kind, "msg": msg, "zeroed": bool((b.buf == 0).all()), "again": again,
+            "honest_ok": bool(torch.isfinite(honest).all() and honest.abs().sum() > 0)}
+
+
+def ddp_case(rank: int) -> tuple[str, str]:
+    """Real DDP: rank BAD sends a push with a wrong step at the third iteration."""
+    model = nn.parallel.DistributedDataParallel(make_model())
+    model.register_comm_hook(TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0),
+                             two_way_compression_hook)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    armed = [False]
+    name, orig, call = corrupting("push", "step", SPEC, armed)
+    setattr(dist, name, call)
+    try:
+        for it in range(3):
+            armed[0] = rank == BAD and it == 2
+            err = outcome(lambda: model(x).square().mean().backward())
+            if err[0] != "none":
+                break
+    finally:
+        setattr(dist, name, orig)
+    return err  # the first failure (at iteration 2 on both ranks), else ("none", "")
+
+
+def hostile_worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=10))
+    res = {case: hostile_case(rank, *case) for case in HOSTILE}
+    res["ddp"] = ddp_case(rank)
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
 # -- the tests ------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -168,21 +265,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ddp_hook")
+def _spawn(fn, out, what: str, limit: float) -> list[dict]:
     # fork (as DataLoader workers do; each rank sets one intra-op thread first) starts in well
     # under a second; spawn re-imports torch and the codecs in every rank
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    ctx = mp.start_processes(worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
+    import torch._dynamo.utils  # noqa: F401 - DDP imports it: once here, not in every rank
+    ctx = mp.start_processes(fn, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
                              start_method=method)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + limit
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.terminate()
-            pytest.fail("DDP hook workers did not finish within 120 s")
+            pytest.fail(f"{what} did not finish within {limit:.0f} s")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return _spawn(worker, tmp_path_factory.mktemp("ddp_hook"), "DDP hook workers", 120)
 
 
 def test_none_spec_matches_plain_ddp_bit_exactly(results):
@@ -218,6 +319,45 @@ def test_pickled_state_resumes_identically(results):
 def test_bucket_size_change_recreates_codecs(results):
     for res in results:
         assert all(res["resize_equal"].values()), res["resize_equal"]
+
+
+WHAT = {"key": "key {k1}, expected {k}", "step": "step 6, expected 1", "codec": "codec id",
+        "nan": "non-finite"}
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> list[dict]:
+    return _spawn(hostile_worker, tmp_path_factory.mktemp("ddp_hostile"), "hostile ranks", 90)
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=["-".join(c) for c in HOSTILE])
+def test_corrupt_payload_is_rejected_naming_sender_and_bucket(hostile, case):
+    direction, how, _ = case
+    shard = 0 if direction == "push" else BAD
+    key = BUCKET * WORLD + shard
+    what = WHAT[how].format(k=key, k1=key + 1)
+    for rank, res in enumerate(hostile):
+        r = res[case]
+        assert r["honest_ok"], f"rank {rank}: the honest step before the corruption failed"
+        assert r["kind"] == "PayloadError", f"rank {rank}: {r['kind']}: {r['msg']}"
+        assert f"bucket {BUCKET} shard {shard}" in r["msg"], r["msg"]
+        if direction == "reply" or rank == shard:  # it decoded rank BAD's payload itself
+            sender = f"rank {BAD} (owner of shard {BAD})" if direction == "reply" \
+                else f"rank {BAD}"
+            assert f"from {sender} rejected" in r["msg"] and what in r["msg"], r["msg"]
+        else:  # the owner of shard 0 rejected the push and told the other ranks
+            assert f"rank {shard}, the owner of this shard, rejected the push from rank {BAD}" \
+                in r["msg"], r["msg"]
+        assert r["zeroed"], f"rank {rank}: the bucket buffer was not zeroed"
+        kind, msg = r["again"]
+        assert kind == "GradpressError" and "an earlier bucket failed" in msg, (kind, msg)
+
+
+def test_corrupt_push_fails_ddp_backward_on_every_rank(hostile):
+    for rank, res in enumerate(hostile):
+        kind, msg = res["ddp"]
+        assert kind != "none", f"rank {rank}: backward did not fail"
+        assert f"rank {BAD}" in msg and "bucket 0" in msg, (kind, msg)
 
 
 # -- single-process checks -----------------------------------------------------------------------

@@ -22,86 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._ddp_buckets import BucketCodecs, Job, all_gather_async, bucket_key, finish, serve
 from .compress import Codec, build
+from .ps.errors import GradpressError, PayloadError
 
 __all__ = ["TwoWayCompressionState", "two_way_compression_hook"]
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-# all_gather_single (torch >= 2.13) replaces the deprecated all_gather_into_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _shard_bounds(numel: int, world: int) -> list[tuple[int, int]]:
-    """Shard s = [lo, hi) of a bucket of ``numel``; fixed by (numel, world) so all ranks agree."""
-    base, rem = divmod(numel, world)
-    bounds, lo = [], 0
-    for s in range(world):
-        hi = lo + base + (1 if s < rem else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
-def _key(index: int, shard: int, world: int) -> int:
-    key = index * world + shard
-    if key >= 2**32:
-        raise ValueError(f"bucket {index} shard {shard}: key {key} does not fit the 32-bit header "
-                         f"key field (world size {world})")
-    return key
-
-
-class _BucketCodecs:
-    """Codecs and fixed-size wire buffers of one bucket layout on one rank.
-
-    ``workers[s]`` compresses shard s (worker side, with its own residual); ``server`` recompresses
-    the average of shard ``rank`` (server side, with the server residual). Every payload travels in
-    a slot of ``slot`` bytes (the largest shard payload), so all messages have a fixed size.
-    """
-
-    def __init__(self, layout: tuple, numel: int, world: int, rank: int,
-                 state: "TwoWayCompressionState", device: torch.device) -> None:
-        self.layout, self.numel, self.world, self.rank = layout, numel, world, rank
-        self.bounds = _shard_bounds(numel, world)
-        self.workers = [state._build(hi - lo) for lo, hi in self.bounds]
-        lo, hi = self.bounds[rank]
-        self.server = state._build(hi - lo)
-        self.slot = max(c.payload_bytes for c in self.workers)
-        u8 = dict(dtype=torch.uint8, device=device)
-        self.send = torch.zeros(world * self.slot, **u8)
-        self.recv = torch.zeros(world * self.slot, **u8)
-        self.agg = torch.zeros(self.slot, **u8)
-        self.gathered = torch.zeros(world * self.slot, **u8)
-        self.acc = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-
-    def payload(self, buf: torch.Tensor, i: int, shard: int) -> torch.Tensor:
-        """The bytes of slot i of ``buf`` that hold a payload of shard ``shard``."""
-        return buf[i * self.slot: i * self.slot + self.workers[shard].payload_bytes]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"numel": self.numel, "world_size": self.world, "rank": self.rank,
-                "worker": [c.state_dict() for c in self.workers],
-                "server": self.server.state_dict()}
-
-    def matches(self, saved: Mapping[str, Any]) -> bool:
-        return (saved.get("numel"), saved.get("world_size"), saved.get("rank")) == \
-            (self.numel, self.world, self.rank) and len(saved.get("worker", ())) == self.world
-
-    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        for c, s in zip(self.workers, saved["worker"]):
-            c.load_state_dict(s)
-        self.server.load_state_dict(saved["server"])
-
-
-class _Job:
-    """A bucket whose payload exchange (step 3) is in flight."""
-
-    def __init__(self, index: int, buffer: torch.Tensor, codecs: _BucketCodecs, step: int,
-                 group: Any, work: Any) -> None:
-        self.index, self.buffer, self.codecs, self.step = index, buffer, codecs, step
-        self.group, self.work = group, work
-        self.future: torch.futures.Future = torch.futures.Future()
 
 
 class TwoWayCompressionState:
@@ -145,7 +74,7 @@ class TwoWayCompressionState:
 
     __slots__ = ("process_group", "_lr", "_spec", "_ef", "_min_compress_bytes",
                  "_start_compress_iter", "_seed", "_overlap", "iter", "_buckets", "_steps",
-                 "_loaded", "_inflight", "_stats")
+                 "_loaded", "_inflight", "_stats", "_error")
 
     def __init__(self, spec: str = "onebit", ef: str | None = "vanilla", *,
                  min_compress_bytes: int = 1 << 20, start_compress_iter: int = 0, seed: int = 0,
@@ -168,10 +97,11 @@ class TwoWayCompressionState:
 
     def _reset_runtime(self) -> None:
         self.iter = 0
-        self._buckets: dict[int, _BucketCodecs] = {}
+        self._buckets: dict[int, BucketCodecs] = {}
         self._steps: dict[int, int] = {}
         self._loaded: dict[int, Mapping[str, Any]] = {}
-        self._inflight: _Job | None = None
+        self._inflight: Job | None = None
+        self._error: BaseException | None = None  # set by a failure; the hook then refuses
         self._stats = dict.fromkeys(("compressed_buckets", "allreduced_buckets", "dense_bytes",
                                      "payload_bytes", "allreduce_bytes"), 0)
 
@@ -240,6 +170,7 @@ class TwoWayCompressionState:
         if self._inflight is not None:
             raise RuntimeError("TwoWayCompressionState.load_state_dict: a bucket is in flight")
         self.iter = int(state["iter"])
+        self._error = None
         self._steps = {int(i): int(s) for i, s in state["steps"].items()}
         self._loaded = {}
         for i, saved in state["buckets"].items():
@@ -264,7 +195,7 @@ class TwoWayCompressionState:
         self.load_state_dict(d["state"])
 
     # -- hook machinery ---------------------------------------------------------------------------
-    def _codecs_for(self, bucket: dist.GradBucket, world: int, rank: int) -> _BucketCodecs:
+    def _codecs_for(self, bucket: dist.GradBucket, world: int, rank: int) -> BucketCodecs:
         """The bucket's codecs; re-created (residuals restart) when DDP changed its layout."""
         index, buf = bucket.index(), bucket.buffer()
         layout = (world, rank, buf.numel(), buf.dtype, str(buf.device),
@@ -276,8 +207,8 @@ class TwoWayCompressionState:
             log.info("gradpress DDP hook: bucket %d changed layout (%d -> %d elements, e.g. DDP "
                      "rebuilt its buckets); re-creating its codecs, residuals restart from zero",
                      index, cur.numel, buf.numel())
-        cur = self._buckets[index] = _BucketCodecs(layout, buf.numel(), world, rank, self,
-                                                   buf.device)
+        cur = self._buckets[index] = BucketCodecs(layout, buf.numel(), world, rank, self._build,
+                                                  buf.device)
         saved = self._loaded.get(index)
         if saved is not None and cur.matches(saved):
             cur.load_state_dict(self._loaded.pop(index))
@@ -292,11 +223,11 @@ class TwoWayCompressionState:
         self._steps[index] = step + 1
         # 1.+2. shard s of the flat buffer -> worker codec s (its residual) -> send slot s
         for s, (lo, hi) in enumerate(codecs.bounds):
-            codecs.workers[s].compress(buf[lo:hi], key=_key(index, s, world), step=step,
+            codecs.workers[s].compress(buf[lo:hi], key=bucket_key(index, s, world), step=step,
                                        lr=self.lr, out=codecs.payload(codecs.send, s, s))
         # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
         work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
-        self._inflight = _Job(index, buf, codecs, step, group, work)
+        self._inflight = Job(index, buf, codecs, step, group, work)
         self._stats["compressed_buckets"] += 1
         self._stats["dense_bytes"] += buf.numel() * 4
         self._stats["payload_bytes"] += codecs.send.numel() + codecs.slot
@@ -309,51 +240,56 @@ class TwoWayCompressionState:
             return
         try:
             job.work.wait()
-            self._serve(job)
+            try:
+                serve(job, self.lr)
+            except PayloadError:
+                self._abort(job)
+                raise
             c = job.codecs
-            work = _all_gather_single(c.gathered, c.agg, group=job.group, async_op=True)
-            work.get_future().then(functools.partial(_finish, job))
+            work = all_gather_async(c.gathered, c.agg, job.group)
+            work.get_future().then(functools.partial(self._gathered, job))
         except BaseException as e:
             job.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
             raise
 
-    def _serve(self, job: _Job) -> None:
-        """Step 4: decode-accumulate all ranks' payloads (rank order), average, recompress."""
-        c = job.codecs
-        key = _key(job.index, c.rank, c.world)
-        c.acc.zero_()
-        for src in range(c.world):
-            p = c.payload(c.recv, src, c.rank)
-            c.server.check_header(p, key=key, step=job.step, sender=f"rank {src}")
-            c.server.decompress_add(p, c.acc)
-        c.acc.div_(c.world)
-        # the server codec adds its residual before recompressing (server-side error feedback)
-        c.server.compress(c.acc, key=key, step=job.step, lr=self.lr,
-                          out=c.agg[:c.server.payload_bytes])
+    def _abort(self, job: Job) -> None:
+        """A push was rejected: zero the bucket and all-gather the abort record ``serve`` left in
+        ``agg``, so the other ranks (waiting in this all-gather) fail now, naming the sender."""
+        job.buffer.zero_()
+        try:
+            all_gather_async(job.codecs.gathered, job.codecs.agg, job.group).wait()
+        except RuntimeError as e:  # a peer is gone too; the payload error is what to report
+            log.warning("gradpress DDP hook: bucket %d: sending the abort record failed: %s",
+                        job.index, e)
+
+    def _gathered(self, job: Job, fut: torch.futures.Future) -> None:
+        """Step 6, on the communication thread when the all-gather completes."""
+        try:
+            fut.wait()  # re-raises a failed all-gather
+            finish(job)
+        except Exception as e:
+            self._error = self._error or e
+            job.future.set_exception(e)
+            return
+        job.future.set_result(job.buffer)
 
     def _fail(self, exc: BaseException) -> None:
+        """Fail the bucket in flight; this state stops (see ``_check_usable``)."""
+        if self._error is None:
+            self._error = exc
         job, self._inflight = self._inflight, None
         if job is not None and not job.future.done():
             job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
 
-
-def _finish(job: _Job, fut: torch.futures.Future) -> None:
-    """Step 6 (all-gather done): decode every shard's aggregate into the bucket buffer."""
-    try:
-        fut.wait()  # re-raises a failed all-gather
-        c, buf = job.codecs, job.buffer
-        for s, (lo, hi) in enumerate(c.bounds):
-            p = c.payload(c.gathered, s, s)
-            c.workers[s].check_header(p, key=_key(job.index, s, c.world), step=job.step,
-                                      sender=f"rank {s} (owner of shard {s})")
-            if buf.dtype == torch.float32:
-                c.workers[s].decompress(p, out=buf[lo:hi])
-            else:
-                buf[lo:hi].copy_(c.workers[s].decompress(p))
-    except Exception as e:
-        job.future.set_exception(e)
-        return
-    job.future.set_result(buf)
+    def _check_usable(self, index: int) -> None:
+        """After a failure the ranks no longer agree on the collectives: refuse to issue more."""
+        err = self._error
+        if err is None:
+            return
+        self._fail(err)
+        raise GradpressError(f"two_way_compression_hook: bucket {index}: an earlier bucket failed "
+                             f"({type(err).__name__}: {err}); this state stops: build a new "
+                             f"TwoWayCompressionState or load_state_dict a checkpoint") from err
 
 
 def _allreduce_average(buf: torch.Tensor, group: Any) -> torch.futures.Future:
@@ -379,12 +315,19 @@ def two_way_compression_hook(
     3. Exchanges payloads with ``all_to_all_single`` on uint8 (gloo and NCCL both support it):
        owner r receives every rank's payload for shard r. Payloads have a size fixed by the codec
        and shard, padded to one slot size.
-    4. The owner validates each header (errors name the sending rank), decode-accumulates the
-       payloads in rank order (deterministic), divides by ``world_size``, adds its server
-       residual and recompresses (server-side error feedback).
+    4. The owner validates each payload (header: codec id, numel, fingerprint, size, key, step),
+       decode-accumulates them in rank order (deterministic), divides by ``world_size``, adds
+       its server residual and recompresses (server-side error feedback; a non-finite average
+       is rejected naming the first sender that makes it so).
     5. All-gathers the compressed aggregates (fixed slot size).
-    6. Every rank decodes all shards into the bucket buffer; the bytes are identical on every
-       rank, so the replicas stay bit-identical.
+    6. Every rank validates every aggregate (header, then finite values) and decodes it into the
+       bucket buffer; the bytes are identical on every rank, so the replicas stay bit-identical.
+
+    A payload that fails a check raises :class:`~gradpress.ps.errors.PayloadError` naming the
+    sending rank, the bucket, the shard and what was wrong (see :mod:`gradpress._ddp_buckets`):
+    from the hook or from the bucket's future, on the owner that rejected a push and, through an
+    abort record it all-gathers in step 5, on every other rank. The bucket buffer is then zeroed
+    and the state refuses further buckets (:class:`~gradpress.ps.errors.GradpressError`).
 
     Buckets below ``state.min_compress_bytes`` and iterations before
     ``state.start_compress_iter`` use a plain averaging allreduce.
@@ -414,6 +357,7 @@ def two_way_compression_hook(
     if not buf.is_floating_point():
         raise TypeError(f"two_way_compression_hook: bucket {bucket.index()} buffer has dtype "
                         f"{buf.dtype}, expected a floating dtype")
+    state._check_usable(bucket.index())
     try:
         state._drain()  # steps 4-5 of the previous bucket, before any new collective
         if state.iter >= state.start_compress_iter \

@@ -1,0 +1,203 @@
+"""Per-bucket codecs, wire buffers and the validated receive paths of the DDP hook.
+
+Internal to :mod:`gradpress.ddp_hook` (steps 4 and 6 of
+:func:`~gradpress.ddp_hook.two_way_compression_hook`). Every payload a rank decodes comes from
+another process and is checked before use, with the parameter-server checks of
+:mod:`gradpress.ps.validate`; a bad one raises :class:`~gradpress.ps.errors.PayloadError` naming
+the sending rank, the bucket index and shard, and what was wrong:
+
+1. pushes a rank serves as the owner of a shard (step 4): codec header (magic, version, codec id,
+   numel, config fingerprint, size, the expected key and step) before each decode, then the codec's
+   own decode checks; the average must be finite, which the server codec's recompression checks
+   (no extra pass): if it is not, the pushes are re-added in rank order to name the first sender
+   whose push makes it so. An owner that rejects a push still takes part in the all-gather, with
+   an abort record instead of its aggregate, so the other ranks fail at once naming the sender;
+2. replies (step 6): the abort record, then header as in 1, then the decoded shard must be finite.
+
+A rejected bucket's buffer is zeroed on every rank that raises: nothing of it reaches a gradient.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .ps.errors import PayloadError
+from .ps.validate import add_push, check_sum, decode_reply, is_finite
+
+if TYPE_CHECKING:
+    from .compress import Codec
+
+__all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "Job", "serve",
+           "finish"]
+
+# An owner that rejected a push sends this instead of its aggregate: magic b"GX" (never a payload
+# header's b"GP"), 2 zero bytes, the rejected sender's rank (uint32, _NO_RANK when not one rank).
+_ABORT = struct.Struct("<2s2xI")
+_ABORT_MAGIC = b"GX"
+_NO_RANK = 0xFFFFFFFF
+
+
+def shard_bounds(numel: int, world: int) -> list[tuple[int, int]]:
+    """Shard s = [lo, hi) of a bucket of ``numel``; fixed by (numel, world) so all ranks agree."""
+    base, rem = divmod(numel, world)
+    bounds, lo = [], 0
+    for s in range(world):
+        hi = lo + base + (1 if s < rem else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def bucket_key(index: int, shard: int, world: int) -> int:
+    """The header key of (bucket ``index``, ``shard``): index * world + shard."""
+    key = index * world + shard
+    if key >= 2**32:
+        raise ValueError(f"bucket {index} shard {shard}: key {key} does not fit the 32-bit header "
+                         f"key field (world size {world})")
+    return key
+
+
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
+    """Start an all-gather of ``inp`` into ``out`` (all_gather_single where torch has it, which
+    replaces the deprecated all_gather_into_tensor); returns the work handle."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+class BucketCodecs:
+    """Codecs and fixed-size wire buffers of one bucket layout on one rank.
+
+    ``workers[s]`` compresses shard s (worker side, with its own residual); ``server`` recompresses
+    the average of shard ``rank`` (server side, with the server residual). Every payload travels in
+    a slot of ``slot`` bytes (the largest shard payload), so all messages have a fixed size.
+    """
+
+    def __init__(self, layout: tuple, numel: int, world: int, rank: int,
+                 build: Any, device: torch.device) -> None:
+        self.layout, self.numel, self.world, self.rank = layout, numel, world, rank
+        self.bounds = shard_bounds(numel, world)
+        self.workers: list[Codec] = [build(hi - lo) for lo, hi in self.bounds]
+        lo, hi = self.bounds[rank]
+        self.server: Codec = build(hi - lo)
+        self.slot = max(c.payload_bytes for c in self.workers)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.send = torch.zeros(world * self.slot, **u8)
+        self.recv = torch.zeros(world * self.slot, **u8)
+        self.agg = torch.zeros(self.slot, **u8)
+        self.gathered = torch.zeros(world * self.slot, **u8)
+        self.acc = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+        self._stage: torch.Tensor | None = None  # fp32 decode target for non-fp32 buckets
+
+    def payload(self, buf: torch.Tensor, i: int, shard: int) -> torch.Tensor:
+        """The bytes of slot i of ``buf`` that hold a payload of shard ``shard``."""
+        return buf[i * self.slot: i * self.slot + self.workers[shard].payload_bytes]
+
+    def stage(self, n: int) -> torch.Tensor:
+        """A reused float32 buffer of ``n`` (<= the largest shard) elements."""
+        if self._stage is None:
+            self._stage = torch.empty(self.bounds[0][1], dtype=torch.float32,
+                                      device=self.acc.device)
+        return self._stage[:n]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"numel": self.numel, "world_size": self.world, "rank": self.rank,
+                "worker": [c.state_dict() for c in self.workers],
+                "server": self.server.state_dict()}
+
+    def matches(self, saved: Mapping[str, Any]) -> bool:
+        return (saved.get("numel"), saved.get("world_size"), saved.get("rank")) == \
+            (self.numel, self.world, self.rank) and len(saved.get("worker", ())) == self.world
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        for c, s in zip(self.workers, saved["worker"]):
+            c.load_state_dict(s)
+        self.server.load_state_dict(saved["server"])
+
+
+class Job:
+    """A bucket whose payload exchange (step 3) is in flight."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, codecs: BucketCodecs, step: int,
+                 group: Any, work: Any) -> None:
+        self.index, self.buffer, self.codecs, self.step = index, buffer, codecs, step
+        self.group, self.work = group, work
+        self.future: torch.futures.Future = torch.futures.Future()
+
+    def label(self, shard: int) -> str:
+        """Where a check failed, as error messages name it."""
+        c = self.codecs
+        return (f"DDP hook rank {c.rank}, bucket {self.index} shard {shard} (key "
+                f"{bucket_key(self.index, shard, c.world)}, step {self.step})")
+
+
+def serve(job: Job, lr: float | None) -> None:
+    """Step 4: validate and decode-add every rank's push (rank order), average, recompress.
+
+    On a :class:`PayloadError` ``agg`` holds an abort record naming the rejected sender, to be
+    all-gathered in place of the aggregate.
+    """
+    c = job.codecs
+    key, label = bucket_key(job.index, c.rank, c.world), job.label(c.rank)
+    payloads = [c.payload(c.recv, src, c.rank) for src in range(c.world)]
+    senders = [f"rank {src}" for src in range(c.world)]
+    c.acc.zero_()
+    for src, p in enumerate(payloads):
+        try:  # header (key, step, codec, size) before the decode; the codec's own decode checks
+            add_push(c.server, p, c.acc, key=key, step=job.step, sender=senders[src],
+                     label=label)
+        except PayloadError:
+            _write_abort(c, src)
+            raise
+    c.acc.div_(c.world)
+    try:  # the server codec adds its residual, checks finiteness and recompresses
+        c.server.compress(c.acc, key=key, step=job.step, lr=lr,
+                          out=c.agg[:c.server.payload_bytes])
+    except ValueError:
+        if is_finite(c.acc):
+            raise  # not the pushes' fault (e.g. the residual overflowed)
+        try:  # error path only: name the first sender whose push makes the sum non-finite
+            check_sum(c.acc, c.server, payloads, senders, key=key, label=label)
+        except PayloadError as e:
+            _write_abort(c, senders.index(e.peer) if e.peer in senders else None)
+            raise
+        raise
+
+
+def finish(job: Job) -> None:
+    """Step 6 (all-gather done): validate every shard's aggregate and decode it into the bucket
+    buffer. On a :class:`PayloadError` the buffer is zeroed before it is raised."""
+    c, buf = job.codecs, job.buffer
+    try:
+        for s, (lo, hi) in enumerate(c.bounds):
+            p, label = c.payload(c.gathered, s, s), job.label(s)
+            _check_abort(job, p, s)
+            out = buf[lo:hi] if buf.dtype == torch.float32 else c.stage(hi - lo)
+            decode_reply(c.workers[s], p, out, key=bucket_key(job.index, s, c.world),
+                         step=job.step, sender=f"rank {s} (owner of shard {s})", label=label)
+            if buf.dtype != torch.float32:
+                buf[lo:hi].copy_(out)
+    except PayloadError:
+        buf.zero_()
+        raise
+
+
+def _write_abort(c: BucketCodecs, culprit: int | None) -> None:
+    raw = _ABORT.pack(_ABORT_MAGIC, _NO_RANK if culprit is None else culprit)
+    c.agg[:_ABORT.size].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def _check_abort(job: Job, p: torch.Tensor, owner: int) -> None:
+    """Raise when the owner of this shard sent an abort record instead of its aggregate."""
+    magic, culprit = _ABORT.unpack(bytes(p[:_ABORT.size].cpu().numpy()))
+    if magic != _ABORT_MAGIC:
+        return
+    who = "a push" if culprit == _NO_RANK else f"the push from rank {culprit}"
+    raise PayloadError(f"{job.label(owner)}: rank {owner}, the owner of this shard, rejected {who} "
+                       f"and aborted bucket {job.index} (rank {owner}'s error says why)",
+                       key=bucket_key(job.index, owner, job.codecs.world),
+                       peer=None if culprit == _NO_RANK else f"rank {culprit}", stage="push")
