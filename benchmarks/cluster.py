@@ -8,8 +8,11 @@ Run as root (network namespaces): ``sudo .venv/bin/python benchmarks/cluster.py 
    trains the same model, batch, optimizer and number of steps with every system: torch DDP
    fp32 (gloo), DDP + ``fp16_compress_hook``, DDP + PowerSGD hook (rank 4), gradpress ``none``,
    gradpress CLAN ``onebit``, gradpress CLAN ``topk:k=0.001,values=fp16`` and DDP + gradpress's
-   two-way ``onebit`` hook. One worker per host; the gradpress systems add one server per host
-   (``gradpress launch --nnodes N --node-rank R ...`` in each host namespace). The DDP systems
+   two-way ``onebit`` hook; and ``local``, the same processes training alone without any
+   communication (the compute floor: a step of a system minus it is what communication costs
+   that system, printed beside the speed-up). One worker per host; the gradpress systems add
+   one server per host (``gradpress launch --nnodes N --node-rank R ...`` in each host
+   namespace). The DDP systems
    are torchrun-style processes (``MASTER_ADDR`` = host 0's address).
 2. **loopback**: gradpress ``none``, ``onebit`` and ``topk`` on the plain loopback of this
    machine (no namespace, no limit): does the pipeline hide the compression cost?
@@ -41,9 +44,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cluster_worker import GP_SYSTEMS  # noqa: E402
 
-SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-none", "gp-onebit", "gp-topk",
+SYSTEMS = ("local", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-none", "gp-onebit", "gp-topk",
            "gp-ddp-hook")
-LABELS = {"ddp-fp32": "DDP fp32 (gloo)", "ddp-fp16": "DDP + fp16 hook",
+LABELS = {"local": "no communication (compute floor)", "ddp-fp32": "DDP fp32 (gloo)",
+          "ddp-fp16": "DDP + fp16 hook",
           "ddp-powersgd": "DDP + PowerSGD hook (rank 4)", "gp-none": "gradpress none",
           "gp-onebit": "gradpress onebit", "gp-topk": "gradpress topk 0.1% fp16",
           "gp-ddp-hook": "DDP + gradpress two-way onebit hook"}
@@ -247,15 +251,26 @@ def _verdict(ok: bool) -> str:
 def speed_table(res: dict, base_key: str = "ddp-fp32") -> list[str]:
     """Rows of one speed table; speed-ups against ``res[base_key]`` when present."""
     base = res.get(base_key)
-    rows = [f"| system | s/step median (best) | speed-up vs {LABELS[base_key]} | MB/step on host "
-            "link (rx+tx) | gradpress MB/worker/step |", "|---|---|---|---|---|"]
+    floor = res.get("local", {}).get("median_s")
+    rows = [f"| system | s/step median (best) | speed-up vs {LABELS[base_key]} | communication "
+            "s/step (step - compute floor) | MB/step on host link (rx+tx) | gradpress "
+            "MB/worker/step |", "|---|---|---|---|---|---|"]
     for system, r in res.items():
         up = f"{base['median_s'] / r['median_s']:.2f}x" if base else "-"
+        comm = "-" if floor is None or system == "local" else _comm_cell(r, base, floor)
         link = f"{r['iface_mb']:.1f}" if "iface_mb" in r else "-"
         gp = f"{r['gp_mb']:.2f}" if "gp_mb" in r else ""
         rows.append(f"| {LABELS[system]} | {r['median_s']:.3f} ({r['best_s']:.3f}) | {up} | "
-                    f"{link} | {gp} |")
+                    f"{comm} | {link} | {gp} |")
     return rows
+
+
+def _comm_cell(r: dict, base: dict | None, floor: float) -> str:
+    """Seconds a step spends beyond the compute floor, and that of DDP fp32 over it."""
+    extra = r["median_s"] - floor
+    if base is None or extra <= 0:
+        return f"{extra:.3f}"
+    return f"{extra:.3f} ({(base['median_s'] - floor) / extra:.1f}x less than DDP fp32)"
 
 
 def target_rows(speed: dict, loop: dict) -> list[str]:

@@ -6,7 +6,8 @@ torchrun-style variables ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_POR
 systems). Steps:
 
 1. build the model (seeded, identical on every rank) and the optimizer of the config;
-2. wrap them: DDP (gloo) with one of the comm hooks, or ``gp.DistributedOptimizer``;
+2. wrap them: DDP (gloo) with one of the comm hooks, or ``gp.DistributedOptimizer``; the
+   ``local`` system wraps nothing (each rank trains alone: the compute floor of a step);
 3. run ``warmup`` steps, a barrier, then ``steps`` timed steps (forward, backward, optimizer
    step; each rank has its own fixed batch), recording each step's seconds;
 4. write seconds, the host interface's byte counters over the timed steps (``/proc/net/dev``
@@ -109,6 +110,8 @@ def run(cfg: dict) -> dict:
     if gp_system:
         opt, barrier = _gradpress(cfg, model, opt)
         net = model
+    elif cfg["system"] == "local":
+        net, barrier = model, lambda: None
     else:
         net, barrier = _ddp(cfg, model)
     data = make_batch(cfg["model"], cfg["batch"], seed=1 + rank)
@@ -149,7 +152,7 @@ def main(path: str) -> int:
         import gradpress as gp
 
         gp.shutdown()
-    else:
+    elif cfg["system"] != "local":
         import torch.distributed as dist
 
         dist.destroy_process_group()
