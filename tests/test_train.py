@@ -234,7 +234,8 @@ def _marked(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
-def test_sigint_stops_everything_and_keeps_partial_metrics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
+def test_sigint_stops_everything_and_keeps_partial_metrics(tmp_path: Path, presses: int) -> None:
     out, marker = tmp_path / "run", uuid.uuid4().hex
     env = dict(os.environ, GP_TEST_MARKER=marker)
     p = subprocess.Popen(_cli("train", "--task", "digits-cnn", "--steps", "100000",
@@ -247,7 +248,9 @@ def test_sigint_stops_everything_and_keeps_partial_metrics(tmp_path: Path) -> No
             assert p.poll() is None, p.communicate()
             assert time.monotonic() < deadline, "no training steps within 120 s"
             time.sleep(0.2)
-        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the foreground process group
+        for _ in range(presses):  # a second Ctrl-C while stopping must not lose the report
+            os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the foreground process group
+            time.sleep(0.3)
         stdout, stderr = p.communicate(timeout=60)
     finally:
         if p.poll() is None:

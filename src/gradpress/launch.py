@@ -322,6 +322,8 @@ def launch(cfg: LaunchConfig) -> int:
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _on_signal(signum: int, frame: object) -> None:
+        for sig in previous:  # a second Ctrl-C must not interrupt the stopping
+            signal.signal(sig, signal.SIG_IGN)
         raise _Stop(signal.Signals(signum).name)
 
     for s in previous:

@@ -11,10 +11,12 @@ metrics and get a partial report with status ``interrupted``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,19 @@ def _write_reports(runs: Sequence[TrainConfig], code: int, plots: bool = True
     return reports
 
 
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ignore SIGINT/SIGTERM while the reports are written: a second Ctrl-C after the
+    launcher stopped the job must not lose ``report.json``."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def run_train(args: argparse.Namespace) -> int:
     """``gradpress train``: validate, launch, report; returns the exit status."""
     cfg = _train_config(args)
@@ -167,7 +182,8 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = cfg.replace(out=str(out))
     t0 = time.perf_counter()
     code = _launch([cfg], out / _PLAN, cfg.script)
-    reports = _write_reports([cfg], code)
+    with _uninterrupted():
+        reports = _write_reports([cfg], code)
     if not reports:
         print(f"gradpress train: no metrics in {out} (a script logs them with "
               "gradpress.train.Session)", file=sys.stderr)
@@ -208,14 +224,15 @@ def run_demo(args: argparse.Namespace) -> int:
         prepare_out_dir(cfg.out)
     t0 = time.perf_counter()
     code = _launch(runs, out / _PLAN)
-    reports = _write_reports(runs, code, plots=False)  # one set of plots with every run
-    recs = {cfg.name: read_metrics(Path(cfg.out) / "metrics.jsonl") for cfg in runs}
-    plots = plot_runs(out, {k: v for k, v in recs.items() if v}) if reports else []
-    wall = time.perf_counter() - t0
-    table = format_table(reports)
-    write_json(out / "report.json", {"status": "completed" if code == 0 else "stopped",
-                                     "exit_code": code, "wall_s": wall, "table": table,
-                                     "runs": reports, "plots": [str(p) for p in plots]})
+    with _uninterrupted():
+        reports = _write_reports(runs, code, plots=False)  # one set of plots with every run
+        recs = {cfg.name: read_metrics(Path(cfg.out) / "metrics.jsonl") for cfg in runs}
+        plots = plot_runs(out, {k: v for k, v in recs.items() if v}) if reports else []
+        wall = time.perf_counter() - t0
+        table = format_table(reports)
+        write_json(out / "report.json", {"status": "completed" if code == 0 else "stopped",
+                                         "exit_code": code, "wall_s": wall, "table": table,
+                                         "runs": reports, "plots": [str(p) for p in plots]})
     print(f"\n{table}\n\ntotal {wall:.1f} s (one cluster, start-up included); plots and "
           f"reports in {out}", flush=True)
     return code

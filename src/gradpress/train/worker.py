@@ -151,7 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         gp.shutdown()
         return 0
     except KeyboardInterrupt as e:
-        # the launcher is stopping every process: keep the metrics, skip the shutdown handshake
+        # the launcher is stopping every process: keep the metrics, skip the shutdown handshake;
+        # a second signal must not interrupt the writing of what was measured
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
         if sessions:
             sessions[-1].interrupted(str(e) or "SIGINT")
         sys.stderr.flush()
