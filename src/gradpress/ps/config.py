@@ -15,9 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PSConfig", "ClusterConfig", "ROLES", "available_cores"]
+__all__ = ["PSConfig", "ClusterConfig", "ROLES", "COMPRESS_ON", "available_cores"]
 
 ROLES = ("worker", "server")
+#: Where a worker compresses tensors that live on an accelerator (see ``PSConfig.compress_on``).
+COMPRESS_ON = ("host", "device")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -118,6 +120,11 @@ class PSConfig:
     #: Seconds between the failure watchdog's polls of the store; 0 disables it. A failure
     #: any process records reaches every process within this; see docs/reliability.md.
     watchdog_interval: float = 1.0
+    #: Where a worker compresses a tensor: ``"host"`` (numba kernels on CPU; a GPU tensor is
+    #: copied to pinned host memory chunk by chunk) or ``"device"`` (the codecs' torch-op
+    #: kernels where the tensor lives, error-feedback residual included; only payloads cross
+    #: to the host). Servers always work on the host. See :mod:`gradpress.ps.worker`.
+    compress_on: str = "host"
     #: Threads of a worker's compress/decompress pool.
     compress_threads: int = field(default_factory=_default_threads)
     #: Decode-accumulate-recompress threads of a server engine (keys balanced by bytes).
@@ -154,6 +161,9 @@ class PSConfig:
                              f"or 'onebit', got {self.compression!r}")
         if self.ef is not None and not isinstance(self.ef, str):
             raise ValueError(f"PSConfig.ef must be None or a string, got {self.ef!r}")
+        if self.compress_on not in COMPRESS_ON:
+            raise ValueError(f"PSConfig.compress_on must be one of {', '.join(COMPRESS_ON)}, "
+                             f"got {self.compress_on!r}")
         if not isinstance(self.hierarchical, bool):
             raise ValueError(f"PSConfig.hierarchical must be a bool, got {self.hierarchical!r}")
         if self.trace is not None and not isinstance(self.trace, str):

@@ -16,6 +16,25 @@ Chunks of different tensors overlap: while chunk i is on the wire, chunk i+1 is 
 A new ``push_pull`` of a name waits for the previous one of the same name (each key has one
 step in flight). Any failure inside the pipeline is fatal to the engine: every pending handle
 raises it, and so do later calls.
+
+Where compression runs: ``PSConfig.compress_on`` (env ``GRADPRESS_COMPRESS_ON``). Chunks stay
+where the tensor lives until the pool picks them up; the result has the tensor's device (so must
+``out=``). Servers always work on the host.
+
+* ``"host"`` (default): numba kernels on CPU. A chunk of a GPU tensor is copied at step 2, in the
+  pool thread, into a host buffer (pinned on CUDA) and compressed there; at step 5 the reply is
+  decoded on the host and copied into the chunk's slice of the device result. So chunk i+1's
+  copy overlaps chunk i's compression and transfer.
+* ``"device"``: worker codecs use the torch-op kernels (``backend="torch"``: same payload bytes,
+  topk ties aside), run where the tensor lives, error-feedback residual included; only the
+  payload crosses to the host. The reply is copied to the device and decoded straight into the
+  result. On CPU tensors this runs the torch kernels on CPU, which is how the tests cover it.
+
+On CUDA a chunk's copies and kernels run on the stream current at ``submit`` (after the kernels
+that produced the gradient) and every copy blocks, so host buffers are safe to reuse and the
+result is complete when the handle is. These CUDA branches were written without a GPU at hand;
+``tests/test_push_pull_device.py`` runs them where one is present. Wire buffers stay pageable:
+device payloads are small, and the dense chunks of ``"host"`` are the ones staged pinned.
 """
 
 from __future__ import annotations
@@ -33,7 +52,7 @@ import torch
 
 from ..compress import build
 from ..compress.base import Codec
-from ..compress.spec import CodecSpec, parse_spec
+from ..compress.spec import CodecSpec
 from .budget import ByteBudget
 from .buffers import BufferPool
 from .cluster import Cluster
@@ -41,73 +60,16 @@ from .config import PSConfig
 from .engine_state import WorkerStateMixin
 from .errors import GradpressError, KeyCollisionError
 from .handle import Handle
+from .inputs import check_out, flat_fp32, host_buffer, on_stream, resolve_codec
 from .partition import assign_balanced, chunk_key, chunk_layout
 from .protocol import CTRL_BYTES, OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
 from .transport import CTRL_TAG, Op, Transport
 from .validate import decode_reply
 
-__all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32", "check_out"]
+__all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32", "check_out"]  # re-exported
 
 log = logging.getLogger(__name__)
-_NO_EF = (None, "", "none")
-
-
-def resolve_codec(compression: str | Mapping[str, Any] | CodecSpec | None, ef: str | None,
-                  cfg: PSConfig) -> tuple[CodecSpec, dict[str, Any]]:
-    """Split a spec into the codec spec and wrapper options; call arguments beat config defaults.
-
-    Returns ``(codec spec without wrappers, {"ef": ..., "momentum": ..., "mu": ...})``.
-    """
-    cs = parse_spec(cfg.compression if compression is None else compression)
-    wrappers = dict(cs.wrappers)
-    spec_ef = wrappers.pop("ef", None)
-    if ef is not None and spec_ef is not None and str(ef).lower() != str(spec_ef).lower():
-        raise ValueError(f"ef given twice with different values: {ef!r} (argument) and "
-                         f"{spec_ef!r} (compression spec {compression!r})")
-    chosen = ef if ef is not None else spec_ef if spec_ef is not None else cfg.ef
-    chosen = None if chosen is None else str(chosen).strip().lower()
-    wrappers["ef"] = None if chosen in _NO_EF else chosen
-    if str(wrappers.get("momentum", "")).lower() in _NO_EF:
-        wrappers.pop("momentum", None)
-    return CodecSpec(cs.name, dict(cs.params)), wrappers
-
-
-def check_out(out: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """Validate ``out=`` of a push_pull whose input is ``flat``; returns its flat view.
-
-    ``out`` must be a contiguous float32 CPU tensor with the input's number of elements; it may
-    be the input itself (in place) but must not overlap it otherwise.
-    """
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"push_pull({name!r}): out must be a torch.Tensor, got "
-                        f"{type(out).__name__}")
-    if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
-        raise TypeError(f"push_pull({name!r}): out must be a contiguous float32 CPU tensor, got "
-                        f"{out.dtype} on {out.device}"
-                        f"{'' if out.is_contiguous() else ' (not contiguous)'}")
-    if out.numel() != flat.numel():
-        raise ValueError(f"push_pull({name!r}): out has {out.numel()} elements, the tensor has "
-                         f"{flat.numel()}")
-    o = out.reshape(-1)
-    if o.numel() and o.data_ptr() != flat.data_ptr():
-        lo, hi = flat.data_ptr(), flat.data_ptr() + 4 * flat.numel()
-        if o.data_ptr() < hi and lo < o.data_ptr() + 4 * o.numel():
-            raise ValueError(f"push_pull({name!r}): out overlaps the input tensor without being "
-                             f"the same memory; pass the tensor itself (in place) or a separate "
-                             f"buffer")
-    return o
-
-
-def flat_fp32(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """``tensor`` as a flat, contiguous float32 CPU tensor (no copy when it already is one)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"push_pull({name!r}): expected a torch.Tensor, got "
-                        f"{type(tensor).__name__}")
-    if not tensor.is_floating_point():
-        raise TypeError(f"push_pull({name!r}): expected a floating-point tensor, got "
-                        f"{tensor.dtype}")
-    return tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
 
 
 @dataclass
@@ -141,6 +103,7 @@ class _Plan:
     chunks: list[_ChunkState]
     offsets: list[int]
     last: threading.Event | None = None  # completion of the key's previous push_pull
+    device: torch.device | None = None  # compress_on="device": where the codec state lives
 
 
 @dataclass
@@ -152,6 +115,7 @@ class _Job:
     out: torch.Tensor
     handle: Handle
     lr: float | None
+    stream: Any = None  # the CUDA stream current at submit (None for other devices)
     step: int = 0
     send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
     recv: torch.Tensor | None = None
@@ -212,13 +176,16 @@ class WorkerEngine(WorkerStateMixin):
         ``tensor`` itself: chunk i's result lands only after chunk i was compressed.
         """
         self._check_usable()
-        flat = flat_fp32(tensor, name)
+        flat = flat_fp32(tensor, name, keep_device=True)  # chunks are moved by the pool
         dst = None if out is None else check_out(out, flat, name)
         plan = self._plan(name, flat.numel(), average, compression, ef, lr, min_compress_bytes)
+        self._check_device(plan, flat.device)
         if plan.last is not None and not plan.last.is_set():
             plan.last.wait(self.cfg.timeout)  # one step per key in flight
         like = tensor if out is None else out  # the result's shape, dtype and device
-        out = torch.empty(flat.numel(), dtype=torch.float32) if dst is None else dst
+        out = dst if dst is not None else torch.empty(flat.numel(), dtype=torch.float32,
+                                                      device=flat.device)
+        stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
         handle = Handle(name, out, like.shape, like.dtype, like.device, len(plan.chunks),
                         on_done=self._on_done)
         plan.last = handle.completion  # not the handle: its result is the caller's to keep
@@ -228,7 +195,8 @@ class WorkerEngine(WorkerStateMixin):
         lr = None if lr is None else float(lr)
         for cs, off in zip(plan.chunks, plan.offsets):
             n = cs.desc.numel
-            self._dispatch_q.put(_Job(cs, flat[off:off + n], out[off:off + n], handle, lr))
+            self._dispatch_q.put(_Job(cs, flat[off:off + n], out[off:off + n], handle, lr,
+                                      stream))
         if not plan.chunks:
             handle._chunk_done()
         return handle
@@ -316,7 +284,8 @@ class WorkerEngine(WorkerStateMixin):
     def _new_plan(self, name: str, numel: int, gen: int, spec: CodecSpec,
                   wrappers: dict[str, Any], average: bool, signature: tuple) -> _Plan:
         layout = chunk_layout(numel, self.cfg.partition_bytes)
-        decs = [build(spec, c.numel, seed=self.cfg.seed) for c in layout]
+        backend = "torch" if self.cfg.compress_on == "device" else "auto"
+        decs = [build(spec, c.numel, seed=self.cfg.seed, backend=backend) for c in layout]
         keys = [chunk_key(name, c.index, gen) for c in layout]
         for key, c in zip(keys, layout):
             label = f"{name!r} chunk {c.index} generation {gen}"
@@ -332,11 +301,23 @@ class WorkerEngine(WorkerStateMixin):
                                  wrappers["ef"], self.cfg.seed, average, proposal[key])
             desc = self._agree(key, desc)
             self._server_loads[desc.server] += dec.payload_bytes
-            enc = build(spec, c.numel, seed=self.cfg.seed, **wrappers)
+            enc = build(spec, c.numel, seed=self.cfg.seed, backend=backend, **wrappers)
             srank = self.cluster.layout.server_rank(desc.server)
             chunks.append(_ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
                                       dec.payload_bytes))
         return _Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
+
+    def _check_device(self, plan: _Plan, device: torch.device) -> None:
+        """compress_on="device": a tensor's codec state stays on the device of its first call."""
+        if self.cfg.compress_on != "device":
+            return
+        if plan.device is None:
+            plan.device = device
+        elif plan.device != device:
+            raise ValueError(f"push_pull({plan.name!r}): tensor on {device}, but with "
+                             f"compress_on='device' its error-feedback state lives on "
+                             f"{plan.device} (the device of its first push_pull); expected a "
+                             f"tensor on {plan.device}")
 
     def _agree(self, key: int, desc: KeyDescriptor) -> KeyDescriptor:
         """First writer wins in the store; everyone else must match it (except the server)."""
@@ -372,7 +353,8 @@ class WorkerEngine(WorkerStateMixin):
 
     def _push(self, job: _Job) -> None:  # steps 2-3
         cs, send, t0 = job.cs, job.send, time.perf_counter()
-        cs.enc.compress(job.x, key=cs.key, step=job.step, lr=job.lr, out=send)
+        with on_stream(job.stream):
+            self._compress(job)
         t1 = time.perf_counter()
         job.recv_op = self.transport.irecv(job.recv, cs.server_rank, cs.key, cs.label, "pull")
         pack_control(Control(OP_PUSH, cs.key, job.step, job.lr, cs.nbytes), cs.ctrl)
@@ -383,6 +365,31 @@ class WorkerEngine(WorkerStateMixin):
         self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=cs.nbytes, chunks=1)
         self.tracer.add("compress", t0, t1, key=cs.key, step=job.step, name=cs.desc.name,
                         chunk=cs.desc.chunk)
+
+    def _compress(self, job: _Job) -> None:  # step 2, by compress_on (module docstring)
+        cs, x, send = job.cs, job.x, job.send
+        kw = {"key": cs.key, "step": job.step, "lr": job.lr}
+        if x.device.type == "cpu":
+            cs.enc.compress(x, out=send, **kw)
+        elif self.cfg.compress_on == "device":
+            send.copy_(cs.enc.compress(x, **kw))  # type: ignore[union-attr]  # payload only
+        else:
+            host = host_buffer(x)
+            host.copy_(x)  # blocking: this chunk only, while other chunks are compressed
+            cs.enc.compress(host, out=send, **kw)
+
+    def _decode(self, job: _Job) -> None:  # step 5, by compress_on (module docstring)
+        cs, out, payload = job.cs, job.out, job.recv
+        dst = out
+        if out.device.type != "cpu":
+            if self.cfg.compress_on == "device":
+                payload = payload.to(out.device)  # type: ignore[union-attr]  # blocking
+            else:
+                dst = host_buffer(out)
+        decode_reply(cs.dec, payload, dst, key=cs.key, step=job.step,  # validated
+                     sender=cs.server_name, label=cs.label)
+        if dst is not out:
+            out.copy_(dst)  # blocking: the chunk's slice of the device result
 
     def _receive(self, job: _Job) -> None:  # step 4
         t0 = time.perf_counter()
@@ -397,8 +404,8 @@ class WorkerEngine(WorkerStateMixin):
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
-        decode_reply(cs.dec, job.recv, job.out, key=cs.key, step=job.step,  # validated
-                     sender=cs.server_name, label=cs.label)
+        with on_stream(job.stream):
+            self._decode(job)
         self._buffers.give(job.send)  # type: ignore[arg-type]
         self._buffers.give(job.recv)  # type: ignore[arg-type]
         job.send = job.recv = None
