@@ -17,12 +17,15 @@ from ._common import (
     Bucket,
     BucketedOptimizer,
     adam_denominators,
+    check_fused,
     check_trust,
     direction,
+    fused_layerwise_,
     moments_,
     norms,
     scaled_by,
     trust_ratios,
+    use_fused,
 )
 
 __all__ = ["LAMB"]
@@ -59,6 +62,10 @@ class LAMB(BucketedOptimizer):
     * ``min_trust``/``max_trust``: None unless a layer starts at norm 0 (raise ``min_trust``) or
       an update with a tiny direction norm explodes (cap with ``max_trust``, e.g. 10).
 
+    Speed: as :class:`gradpress.optim.LANS`, buckets of contiguous float32 CPU tensors run a
+    fused two-pass numba kernel (same float32 arithmetic per element, norms summed in another
+    order); other tensors keep the foreach path.
+
     Args:
         params: iterable of parameters or of param-group dicts (torch semantics).
         lr: learning rate, >= 0.
@@ -68,19 +75,26 @@ class LAMB(BucketedOptimizer):
         bias_correction: apply Adam's bias correction (step 2).
         min_trust: optional lower bound of the trust ratio.
         max_trust: optional upper bound of the trust ratio.
+        fused: None (default) picks the fused CPU kernel where every tensor of a bucket is a
+            contiguous float32 CPU tensor; True requires it (ValueError otherwise); False
+            always uses the foreach path. Not part of ``state_dict()``.
 
     Raises:
-        ValueError: a hyperparameter is out of range (the message names it).
+        ValueError: a hyperparameter is out of range (the message names it); with
+            ``fused=True``, a tensor the fused kernel cannot take (also from :meth:`step`).
         TypeError: a gradient is sparse (raised by :meth:`step`).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, bias_correction: bool = True,
-                 min_trust: float | None = None, max_trust: float | None = None) -> None:
+                 min_trust: float | None = None, max_trust: float | None = None,
+                 fused: bool | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, min_trust=min_trust,
                         max_trust=max_trust)
+        check_fused(fused)
+        self.fused = fused
         self._check_group(defaults)
         super().__init__(params, defaults)
 
@@ -89,10 +103,15 @@ class LAMB(BucketedOptimizer):
         if not isinstance(group["bias_correction"], bool):
             raise ValueError(f"bias_correction must be a bool, got {group['bias_correction']!r}")
         check_trust(group["min_trust"], group["max_trust"])
+        self._check_fused_params(group)
 
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
         bc = group["bias_correction"]
+        if use_fused(b, self.fused, type(self).__name__):
+            # Steps 1-5 per tensor in two passes (gradpress.optim.kernels).
+            fused_layerwise_(b, group, blend=False, bias_correction=bc)
+            return
+        beta1, beta2 = group["betas"]
         # Step 1: first and second moments, in place in the state.
         moments_(b, b.grads, beta1, beta2)
         # Step 2: d = s*(sqrt(vh) + eps) with s = sqrt(1 - b2^t) (1 without bias correction).

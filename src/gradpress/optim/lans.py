@@ -18,12 +18,15 @@ from ._common import (
     Bucket,
     BucketedOptimizer,
     adam_denominators,
+    check_fused,
     check_trust,
     direction,
+    fused_layerwise_,
     moments_,
     norms,
     scaled_by,
     trust_ratios,
+    use_fused,
 )
 
 __all__ = ["LANS"]
@@ -74,6 +77,15 @@ class LANS(BucketedOptimizer):
       at initialisation and its step gets too small (``min_trust``), or a layer with a tiny
       update direction explodes (``max_trust``, e.g. 10).
 
+    Speed: a bucket whose parameters, gradients and moments are all contiguous float32 CPU
+    tensors (the usual case) runs a fused numba kernel (:mod:`gradpress.optim.kernels`), two
+    passes over each tensor instead of about twelve ``torch._foreach_*`` passes, with the same
+    float32 arithmetic element by element; the norms are summed in another order (float64
+    partial sums) and torch's CPU ``sqrt`` is not correctly rounded, so the two paths agree to
+    float32 rounding, not bit for bit. Other tensors
+    (CUDA, float64/half, non-contiguous) keep the foreach path. The fused kernel runs on one
+    thread; the first step on a machine compiles it once (seconds; cached on disk).
+
     Args:
         params: iterable of parameters or of param-group dicts (torch semantics).
         lr: learning rate, >= 0.
@@ -83,9 +95,15 @@ class LANS(BucketedOptimizer):
         normalize_grad: divide each tensor's gradient by its L2 norm first (step 1).
         min_trust: optional lower bound of the trust ratios (step 6).
         max_trust: optional upper bound of the trust ratios (step 6).
+        fused: None (default) picks the fused CPU kernel for every bucket of contiguous float32
+            CPU tensors and the foreach path for the rest; True requires the fused kernel
+            (ValueError for a parameter, gradient or moment it cannot take); False always uses
+            the foreach path. It is not part of the param groups or of ``state_dict()``; the
+            state is the same either way, so checkpoints move freely between the two paths.
 
     Raises:
-        ValueError: a hyperparameter is out of range (the message names it).
+        ValueError: a hyperparameter is out of range (the message names it); with
+            ``fused=True``, a tensor the fused kernel cannot take (also from :meth:`step`).
         TypeError: a gradient is sparse (raised by :meth:`step`).
 
     State per parameter: ``step`` (int), ``exp_avg`` (m), ``exp_avg_sq`` (v);
@@ -95,9 +113,12 @@ class LANS(BucketedOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, normalize_grad: bool = True,
-                 min_trust: float | None = None, max_trust: float | None = None) -> None:
+                 min_trust: float | None = None, max_trust: float | None = None,
+                 fused: bool | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         normalize_grad=normalize_grad, min_trust=min_trust, max_trust=max_trust)
+        check_fused(fused)
+        self.fused = fused
         self._check_group(defaults)
         super().__init__(params, defaults)
 
@@ -106,6 +127,7 @@ class LANS(BucketedOptimizer):
         if not isinstance(group["normalize_grad"], bool):
             raise ValueError(f"normalize_grad must be a bool, got {group['normalize_grad']!r}")
         check_trust(group["min_trust"], group["max_trust"])
+        self._check_fused_params(group)
 
     @staticmethod
     def _normalized(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -115,6 +137,10 @@ class LANS(BucketedOptimizer):
         return torch._foreach_div(grads, list(n.unbind()))
 
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
+        if use_fused(b, self.fused, type(self).__name__):
+            # Steps 1-7 per tensor in two passes (gradpress.optim.kernels).
+            fused_layerwise_(b, group, blend=True, normalize=group["normalize_grad"])
+            return
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         # Step 1: per-layer gradient normalisation (a copy; p.grad stays as it was).
