@@ -5,8 +5,9 @@ al. 2021, section 3).
 Per key and step:
 
 1. A control thread per worker reads that worker's push announcements in order and posts the
-   payload receive into the key's buffer for that worker (the server never waits on a key a
-   worker has not pushed, whatever order the workers push keys in).
+   payload receive into a buffer lent by the engine's pool until the push is decoded (the
+   server never waits on a key a worker has not pushed, whatever order the workers push keys
+   in, and holds receive buffers only for pushes in flight).
 2. When all workers announced the step, the key goes to the engine thread that owns it (keys
    are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`).
 3. The engine thread waits for the payloads *in worker rank order* and decode-accumulates them
@@ -35,6 +36,7 @@ import time
 import torch
 
 from ..compress import build
+from .buffers import BufferPool
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
 from .engine_state import ServerStateMixin
@@ -62,7 +64,8 @@ class _KeyState:
         self.enc = build(desc.spec, desc.numel, ef=desc.ef, seed=desc.seed)
         self.nbytes = self.dec.payload_bytes
         self.thread = thread
-        self.recv = [payload_buffer(self.nbytes) for _ in range(pushers)]  # framed
+        # per worker: the buffer of its pending push, lent by the engine's pool (framed)
+        self.recv: list[torch.Tensor | None] = [None] * pushers
         self.recv_ops: list[Op | None] = [None] * pushers
         self.lrs: list[float | None] = [None] * pushers
         self.next_step = [0] * pushers  # per worker: the step its next announcement must carry
@@ -105,6 +108,8 @@ class ServerEngine(ServerStateMixin):
         # one accumulator per engine thread (a thread reduces one key at a time), grown to the
         # largest key it owns: memory does not grow with the number of keys
         self._accs = [torch.empty(0, dtype=torch.float32) for _ in range(cfg.engine_threads)]
+        # receive buffers of pending pushes: at most what the workers' budgets let fly
+        self._buffers = BufferPool(len(self.pushers) * cfg.inflight_bytes)
         self._error: BaseException | None = None
         self._stopped = threading.Event()
         self._live_controls = len(self.pushers)
@@ -196,7 +201,8 @@ class ServerEngine(ServerStateMixin):
                 require_declared(self.cluster.store, msg.key, sender=who, receiver=self.name)
             ks = self._key_state(msg.key)
             self._check_push(ks, w, msg.step, msg.nbytes)
-            ks.recv_ops[w] = self.transport.irecv(ks.recv[w], rank, ks.key, ks.label, "push")
+            ks.recv[w] = buf_w = self._buffers.take(ks.nbytes)  # back after the reduce
+            ks.recv_ops[w] = self.transport.irecv(buf_w, rank, ks.key, ks.label, "push")
             ks.lrs[w] = msg.lr
             with ks.lock:
                 ks.next_step[w] += 1
@@ -265,6 +271,9 @@ class ServerEngine(ServerStateMixin):
                      sender=self.cluster.describe(rank))
         check_sum(acc, ks.dec, ks.recv, [self.cluster.describe(r) for r in self.pushers],
                   key=ks.key, label=ks.label)  # non-finite: name the sender, send nothing
+        for w, buf in enumerate(ks.recv):  # decoded: the pushes' buffers go back to the pool
+            self._buffers.give(buf)  # type: ignore[arg-type]
+            ks.recv[w] = None
         if ks.desc.average:  # by the number of workers, also when node leaders push sums
             acc.div_(self.cluster.layout.num_workers)
         t1 = time.perf_counter()
