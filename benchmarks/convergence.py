@@ -8,6 +8,8 @@ Usage (each row of ``docs/convergence.md`` prints the command that reproduces it
         --steps 200 --variants base warmup50 corrected chunk16k
     python benchmarks/convergence.py --quick          # a tiny grid, about two minutes
     python benchmarks/convergence.py --collect-only   # table from the runs already on disk
+    python benchmarks/convergence.py --tasks stdlib-mlm --codecs onebit --steps 200 \\
+        --variants warmup50 --baseline lans_none_base_lr0.02   # gap to LANS, paired by seed
 
 Steps:
 
@@ -19,7 +21,9 @@ Steps:
    a markdown table: metric mean +- std over seeds, lr, bytes per step per worker (push, after
    any uncompressed warm-up), the whole-model ratio measured on the wire, the ratio of the
    compressed tensors against fp16 (measured: the bytes of the small uncompressed tensors are
-   taken off the measured total), and the command of the first seed.
+   taken off the measured total), and the command of the first seed; with ``--baseline``,
+   also each row's gap to the baseline run of the same task, length and seed (mean +- std
+   over the seeds both have: percent of the metric, or points for accuracies).
 """
 
 from __future__ import annotations
@@ -121,6 +125,12 @@ def lr_for(task: str, optimizer: str, codec: str) -> float:
                      f"{codec!r}; give --lr")
 
 
+def length_suffix(args: argparse.Namespace) -> str:
+    """The run-label part naming the run length (``_st200``, ``_ep16``, or both)."""
+    return (f"_st{args.steps}" if args.steps else "") + (f"_ep{args.epochs}" if args.epochs
+                                                          else "")
+
+
 def expand(args: argparse.Namespace) -> list[Run]:
     """Step 1: the grid as runs."""
     for what, names, valid in (("codec", args.codecs, CODECS), ("variant", args.variants,
@@ -135,9 +145,7 @@ def expand(args: argparse.Namespace) -> list[Run]:
                 for var in args.variants:
                     lr = args.lr if args.lr is not None else lr_for(task, opt, codec)
                     v = VARIANTS[var]
-                    label = f"{opt}_{codec}_{var}_lr{lr:g}"
-                    label += f"_st{args.steps}" if args.steps else ""
-                    label += f"_ep{args.epochs}" if args.epochs else ""
+                    label = f"{opt}_{codec}_{var}_lr{lr:g}" + length_suffix(args)
                     for seed in args.seeds:
                         runs.append(Run(task, opt, codec, var, seed, lr, args.steps,
                                         args.epochs, Path(args.out) / task / f"{label}_s{seed}",
@@ -207,25 +215,54 @@ def aggregate(runs: Sequence[Run], reports: Mapping[Path, Mapping[str, Any]]
         w = wire(reps[0])
         rows.append({"task": key[0], "optimizer": key[1], "codec": key[2], "variant": key[3],
                      "lr": key[4], "steps": reps[0].get("steps"), "metric": metric["name"],
-                     "values": vals, "mean": statistics.fmean(vals),
+                     "values": vals, "seeds": [r.seed for r in members if r.out in reports],
+                     "mean": statistics.fmean(vals),
                      "std": statistics.stdev(vals) if len(vals) > 1 else 0.0, **w,
                      "s_per_step": statistics.fmean(float(r["s_per_step"]) for r in reps),
                      "command": members[0].shell()})
     return rows
 
 
+def add_gaps(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Step 3, ``--baseline``: each row's gap to the baseline run label (same task, length and
+    seed), as ``row["gap"]`` = (per-seed gaps, unit); a row without a paired seed gets none."""
+    for row in rows:
+        acc = "acc" in row["metric"]
+        gaps = []
+        for seed, value in zip(row["seeds"], row["values"], strict=True):
+            path = (Path(args.out) / row["task"] / f"{args.baseline}{length_suffix(args)}_s{seed}"
+                    / "report.json")
+            rep = json.loads(path.read_text()) if path.is_file() else {}
+            if rep.get("status") != "completed":
+                continue
+            base = float(rep["metric"]["value"]) * (100.0 if acc else 1.0)
+            gaps.append(value - base if acc else 100.0 * (value / base - 1.0))
+        row["gap"] = (gaps, " pts" if acc else "%")
+
+
+def _gap(row: Mapping[str, Any]) -> str:
+    gaps, unit = row.get("gap") or ([], "")
+    if not gaps:
+        return "-"
+    s = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
+    return f"{statistics.fmean(gaps):+.2f} ± {s:.2f}{unit} (n={len(gaps)})"
+
+
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as a markdown table."""
+    """The rows as a markdown table (a "vs baseline" column when rows carry ``gap``)."""
+    gap = any("gap" in r for r in rows)
     head = ("| task | optimizer | codec | variant | lr | steps | metric (mean ± std) | "
-            "push B/step | model vs fp32 | compressed vs fp16 | s/step |")
-    lines = [head, "|" + "---|" * 11]
+            + ("vs baseline | " if gap else "")
+            + "push B/step | model vs fp32 | compressed vs fp16 | s/step |")
+    lines = [head, "|" + "---|" * (12 if gap else 11)]
     for r in rows:
         digits = 2 if "acc" in r["metric"] else 4
         ratio = f"{r['comp_vs_fp16']:.1f}x" if r["comp_vs_fp16"] else "-"
         model = f"{r['model_vs_fp32']:.1f}x" if r["model_vs_fp32"] else "-"
         lines.append(f"| {r['task']} | {r['optimizer']} | {r['codec']} | {r['variant']} | "
                      f"{r['lr']:g} | {r['steps']} | {r['metric']} {_fmt(r['values'], digits)} "
-                     f"| {r['push']:.0f} | {model} | {ratio} | {r['s_per_step']:.3f} |")
+                     + (f"| {_gap(r)} " if gap else "")
+                     + f"| {r['push']:.0f} | {model} | {ratio} | {r['s_per_step']:.3f} |")
     return "\n".join(lines)
 
 
@@ -271,6 +308,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, help="one lr for every run (default: the LRS table)")
     p.add_argument("--out", default="runs/convergence", help="root of the run directories")
     p.add_argument("--md", help="also write the table and commands to this markdown file")
+    p.add_argument("--baseline", metavar="LABEL",
+                   help="run label without length and seed (e.g. lans_none_base_lr0.02): add "
+                        "each row's gap to it, paired by seed")
     p.add_argument("--quick", action="store_true",
                    help="tiny grid: digits-cnn, none/onebit, clan, seed 0, 30 steps")
     p.add_argument("--collect-only", action="store_true", help="only tabulate existing runs")
@@ -298,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         execute(runs, dry=args.dry_run)
     reports = {r.out: rep for r in runs if (rep := completed(r)) is not None}
     rows = aggregate(runs, reports)
+    if args.baseline:
+        add_gaps(rows, args)
     text = table(rows) + "\n\nCommands (first seed):\n\n" + commands(rows)
     print(text)
     if args.md:

@@ -72,7 +72,7 @@ def test_uncompressed_steps_option() -> None:
 
     cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="clan")
     hp = resolve_hparams(cfg, _Defaults(), 200)
-    assert hp["uncompressed_steps"] == DEFAULT_UNCOMPRESSED_STEPS["clan"] == 50
+    assert hp["uncompressed_steps"] == DEFAULT_UNCOMPRESSED_STEPS["clan"] == 100
     hp = resolve_hparams(cfg.replace(uncompressed_steps=0), _Defaults(), 200)
     assert hp["uncompressed_steps"] == 0
     assert resolve_hparams(cfg.replace(optimizer="lans"), _Defaults(), 200)[
@@ -91,3 +91,31 @@ class _Defaults:
     @staticmethod
     def lr_for(family: str) -> float:
         return 1e-3
+
+
+def test_baseline_gap_is_paired_by_seed(tmp_path: Path) -> None:
+    conv = _driver()
+    args = conv.parse_args(["--tasks", "stdlib-mlm", "--codecs", "onebit", "--lr", "0.01",
+                            "--seeds", "0", "1", "2", "--steps", "20", "--out", str(tmp_path),
+                            "--baseline", "lans_none_base_lr0.02"])
+    runs = conv.expand(args)
+    base_dir = tmp_path / "stdlib-mlm"
+    for seed, (loss, base) in enumerate(((2.2, 2.0), (3.3, 3.0), (1.0, None))):
+        runs[seed].out.mkdir(parents=True)
+        (runs[seed].out / "report.json").write_text(json.dumps(_report(loss, 520)))
+        if base is not None:  # seed 2 has no baseline run: left out of the gap
+            d = base_dir / f"lans_none_base_lr0.02_st20_s{seed}"
+            d.mkdir(parents=True)
+            (d / "report.json").write_text(json.dumps(_report(base, 4400)))
+    for rep_path in base_dir.glob("*/report.json"):  # a loss, not an accuracy
+        rep = json.loads(rep_path.read_text())
+        rep["metric"]["name"] = "val_loss"
+        rep_path.write_text(json.dumps(rep))
+    reports = {r.out: rep for r in runs if (rep := conv.completed(r)) is not None}
+    rows = conv.aggregate(runs, reports)
+    conv.add_gaps(rows, args)
+    gaps, unit = rows[0]["gap"]
+    assert unit == "%" and gaps == pytest.approx([10.0, 10.0])
+    assert "| +10.00 ± 0.00% (n=2) |" in conv.table(rows)
+    plain = {k: v for k, v in rows[0].items() if k != "gap"}
+    assert "vs baseline" not in conv.table([plain])

@@ -25,7 +25,7 @@ EF_CHOICES = ("vanilla", "corrected", "sparse", "none")
 #: Default uncompressed warm-up steps per optimizer. CLAN: 50 (stdlib-mlm, onebit, 200 steps:
 #: validation loss 9.0% above uncompressed LANS without warm-up, 1.4% with 50 steps; see
 #: ``docs/convergence.md``).
-DEFAULT_UNCOMPRESSED_STEPS: dict[str, int] = {"clan": 50}
+DEFAULT_UNCOMPRESSED_STEPS: dict[str, int] = {"clan": 100}  # as gp.CLAN (convergence.md)
 #: Learning-rate schedules after the linear warm-up.
 SCHEDULES = ("constant", "cosine", "linear")
 
