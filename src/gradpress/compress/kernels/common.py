@@ -20,8 +20,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["all_finite", "p_all_finite", "f32_bits", "bits_f32", "ef_p", "ef_args", "fill_p",
-           "MODE_P", "MODE_ADD", "MODE_SCALED"]
+__all__ = ["all_finite", "p_all_finite", "max_abs_ef", "f32_bits", "bits_f32", "ef_p", "ef_args",
+           "fill_p", "MODE_P", "MODE_ADD", "MODE_SCALED"]
 
 _EXP = np.uint32(0x7F800000)
 MODE_P, MODE_ADD, MODE_SCALED = 0, 1, 2
@@ -79,19 +79,24 @@ def ef_p(g, e, r, mode, i):  # type: ignore[no-untyped-def]
     return g[i] + r * e[i]
 
 
+_MAG = np.uint32(0x7FFFFFFF)
+
+
 @numba.njit(cache=True, nogil=True)
-def _p_max_exponent(g, e, r, mode):  # type: ignore[no-untyped-def]
+def max_abs_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
+    """Largest magnitude bit pattern (``bits & 0x7FFFFFFF``) of ``p`` (:func:`ef_p`), computed
+    on the fly without storing ``p``; NaN/inf give ``>= 0x7F800000``."""
     m = np.uint32(0)
     for i in range(g.shape[0]):
-        b = f32_bits(ef_p(g, e, r, mode, i)) & _EXP
-        m = b if b > m else m
+        a = f32_bits(ef_p(g, e, r, mode, i)) & _MAG
+        m = a if a > m else m
     return m
 
 
 def p_all_finite(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int) -> bool:
     """True when every element of ``p`` (see :func:`ef_p`) is finite, computed without storing
     ``p``: lets a codec write ``p`` over the residual only once it is known to be accepted."""
-    return g.shape[0] == 0 or bool(_p_max_exponent(g, e, r, mode) != _EXP)
+    return g.shape[0] == 0 or bool(max_abs_ef(g, e, r, mode) < _EXP)
 
 
 def ef_args(ratio: float) -> tuple[np.float32, int]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .common import MODE_P, ef_p, f32_bits, fill_p
+from .common import MODE_P, ef_p, f32_bits, fill_p, max_abs_ef  # max_abs_ef: re-exported
 
 __all__ = ["BLOCK", "LANES", "hash32", "hash32_np", "max_abs_bits", "sumsq_lanes",
            "encode_linear", "encode_natural", "decode", "decode_add", "sumsq_lanes_ef",
@@ -117,16 +117,6 @@ def sumsq_lanes_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
 def sumsq_lanes(x: np.ndarray) -> np.ndarray:
     """:func:`sumsq_lanes_ef` of ``p = x``."""
     return sumsq_lanes_ef(x, x, np.float32(1.0), MODE_P)
-
-
-@numba.njit(cache=True, nogil=True)
-def max_abs_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
-    """:func:`max_abs_bits` of ``p`` (:func:`.common.ef_p`), computed on the fly."""
-    m = np.uint32(0)
-    for i in range(g.shape[0]):
-        a = f32_bits(ef_p(g, e, r, mode, i)) & _MAG
-        m = a if a > m else m
-    return m
 
 
 # -- steps 2-3: quantize a block into codes -----------------------------------------------------
