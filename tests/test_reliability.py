@@ -52,6 +52,7 @@ from gradpress.ps.protocol import (
 from gradpress.ps.server import ServerEngine
 from gradpress.ps.transport import CTRL_TAG, Transport
 from gradpress.ps.worker import WorkerEngine
+from test_launch import _marked
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="uses /proc and SIGKILL")
@@ -96,24 +97,6 @@ def _finish_all(procs: list[subprocess.Popen], timeout: float = WAIT_S) -> list[
             codes.append(p.wait(10))
     assert not late, f"processes still running after {timeout} s: {late}"
     return codes
-
-
-def _marked(marker: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``GP_TEST_MARKER=marker``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"GP_TEST_MARKER={marker}".encode() in env and state != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 def _launch(args: list[str], script: Path, tmp: Path, marker: str,

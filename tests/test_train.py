@@ -25,6 +25,7 @@ from gradpress.train import TrainConfig
 from gradpress.train.cli import add_train_arguments, prepare_out_dir, run_train
 from gradpress.train.report import format_run, plot_runs, read_metrics, run_report
 from gradpress.train.session import codec_ratios, lr_factor
+from test_launch import _marked
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "bytes_per_step.png")
@@ -217,20 +218,6 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
     assert topk["compressed_ratio_vs_fp16"] > onebit["compressed_ratio_vs_fp16"] > 10
     assert "clan-topk0.1%" in rep["table"] and rep["table"] in p.stdout
     _pngs_ok(out, (*PLOTS, "eval_vs_step.png"))
-
-
-def _marked(marker: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``GP_TEST_MARKER=marker``."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes()
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"GP_TEST_MARKER={marker}".encode() in env.split(b"\0") and state != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
