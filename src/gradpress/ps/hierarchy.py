@@ -77,8 +77,9 @@ class HierarchicalEngine:
                                kwargs.get("lr"))
         out = kwargs.pop("out", None)
         src = flat_fp32(tensor, name)
-        if out is None:
-            flat, like = src.clone(), tensor  # reduced in place
+        if out is None:  # reduced in place: copy unless flat_fp32 already made a copy
+            flat = src.clone() if src.data_ptr() == tensor.data_ptr() else src
+            like = tensor
         else:
             flat, like = check_out(out, src, name), out
             if flat.data_ptr() != src.data_ptr():
