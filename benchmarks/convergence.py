@@ -52,6 +52,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
     "warmup50": {"args": {"uncompressed-steps": 50}},
     "warmup100": {"args": {"uncompressed-steps": 100}},
+    "warmup100-freeze": {"args": {"uncompressed-steps": 100, "freeze-step": 100}},
+    "warmup50-freeze": {"args": {"uncompressed-steps": 50, "freeze-step": 50}},
     "nowarmup": {"args": {"uncompressed-steps": 0}},
     "corrected": {"args": {"ef": "corrected"}},
     "noef": {"args": {"ef": "none"}},

@@ -11,7 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
+
+import gradpress as gp
 
 CODECS = ["fp16", "onebit", "topk:k=0.1", "randomk:k=0.1", "dithering:s=7"]
 
@@ -64,7 +67,7 @@ WORKER = textwrap.dedent('''
     # 2b. the one-call CLAN builder: LANS behind two-way onebit compression, 1 warm-up step
     model = net(3)
     opt = gp.CLAN([(f"clan.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                  warmup_steps=1, min_compress_bytes=0)
+                  warmup_steps=1, min_compress_bytes=0, freeze_variance=True)
     for step in range(3):
         opt.zero_grad()
         x, y = data(step, r)
@@ -72,6 +75,7 @@ WORKER = textwrap.dedent('''
         opt.step()
     from gradpress.optim import LANS
     res["clan_is_lans"] = torch.tensor(isinstance(opt, LANS))
+    res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # 3. gradient accumulation: one push_pull per parameter per step, not per backward pass
     model = net(3)
@@ -167,9 +171,22 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     for spec in CODECS:
         assert torch.isfinite(w0[spec]).all() and not torch.equal(w0[spec], w0["none"]), spec
     assert bool(w0["clan_is_lans"]) and torch.isfinite(w0["clan"]).all()
+    assert int(w0["clan_freeze"]) == 1   # v frozen when compression starts
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
     assert float(w0["amp_scale"]) < 2.0 ** 8  # the scaler saw the overflow and backed off
     assert torch.equal(w0["warmup_all"], w0["none"])  # 4 warm-up steps of 4: exact
     assert not torch.equal(w0["warmup_half"], w0["none"])  # compressed from step 2
+
+
+@pytest.mark.parametrize("kw, err, words", [
+    ({"freeze_variance": True, "warmup_steps": 0}, ValueError, ["warmup_steps >= 1", "0"]),
+    ({"freeze_variance": "yes"}, TypeError, ["freeze_variance must be a bool", "'yes'"]),
+])
+def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(err) as e:
+        gp.CLAN([("w", p)], **kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

@@ -55,8 +55,9 @@ def _ratio(x: torch.Tensor, u: torch.Tensor) -> float:
     return xn / un if xn > 0 and un > 0 else 1.0
 
 
-def ref_layerwise(params, seq, lr, betas, eps, wds, kind, normalize=False):
-    """LANS (kind="lans") or LAMB (kind="lamb") written per tensor, straight from the papers."""
+def ref_layerwise(params, seq, lr, betas, eps, wds, kind, normalize=False, freeze_step=None):
+    """LANS (kind="lans") or LAMB (kind="lamb") written per tensor, straight from the papers;
+    with ``freeze_step``, v and its bias correction stop at that step (1-bit LAMB style)."""
     b1, b2 = betas
     xs = [p.detach().double().clone() for p in params]
     ms = [torch.zeros_like(x) for x in xs]
@@ -72,8 +73,10 @@ def ref_layerwise(params, seq, lr, betas, eps, wds, kind, normalize=False):
             if normalize and float(g.norm()) > 0:
                 g = g / g.norm()
             ms[i] = b1 * ms[i] + (1 - b1) * g
-            vs[i] = b2 * vs[i] + (1 - b2) * g * g
-            mh, vh = ms[i] / (1 - b1 ** t), vs[i] / (1 - b2 ** t)
+            tv = t if freeze_step is None else min(t, freeze_step)
+            if t == tv:
+                vs[i] = b2 * vs[i] + (1 - b2) * g * g
+            mh, vh = ms[i] / (1 - b1 ** t), vs[i] / (1 - b2 ** tv)
             r = mh / (vh.sqrt() + eps) + wd * x
             if kind == "lamb":
                 xs[i] = x - lr * _ratio(x, r) * r
@@ -90,6 +93,46 @@ def assert_close_list(got, want, rtol, atol):
 
 
 # -- LANS / LAMB --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("freeze_step", [1, 3])
+def test_lans_freeze_step_matches_reference(dtype, tol, freeze_step):
+    """v stops at freeze_step (per tensor's own step count; some tensors skip steps)."""
+    params, seq = make_params(dtype), make_grads()
+    opt = LANS(params, lr=0.02, betas=(0.8, 0.95), weight_decay=0.05, normalize_grad=False,
+               freeze_step=freeze_step)
+    run(opt, params, seq)
+    want = ref_layerwise(params=make_params(), seq=seq, lr=0.02, betas=(0.8, 0.95), eps=1e-6,
+                         wds=[0.05] * len(SHAPES), kind="lans", freeze_step=freeze_step)
+    assert_close_list(params, want, rtol=tol, atol=tol)
+    free = make_params(dtype)
+    run(LANS(free, lr=0.02, betas=(0.8, 0.95), weight_decay=0.05, normalize_grad=False),
+        free, seq)
+    assert any(not torch.allclose(a, b) for a, b in zip(params, free))   # freezing mattered
+
+
+def test_lans_freeze_step_keeps_v_and_survives_old_state_dicts():
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = LANS([p], lr=0.01, freeze_step=2)
+    for step in range(4):
+        p.grad = torch.full((5,), float(step + 1))
+        opt.step()
+        if step == 1:
+            v2 = opt.state[p]["exp_avg_sq"].clone()
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"], v2, rtol=0, atol=0)
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["freeze_step"]          # written before the option existed
+    fresh = LANS([p], lr=0.01)
+    fresh.load_state_dict(saved)
+    p.grad = torch.ones(5)
+    fresh.step()                                          # LANS proper again: v moves
+    assert not torch.equal(fresh.state[p]["exp_avg_sq"], v2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_lans_rejects_bad_freeze_step(bad):
+    with pytest.raises(ValueError, match="freeze_step must be None or an int >= 1"):
+        LANS([torch.nn.Parameter(torch.ones(2))], freeze_step=bad)
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("normalize", [True, False])

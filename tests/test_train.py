@@ -54,6 +54,7 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"script": ("python", "x.py")}, ["either a task"]),
     ({"task": None, "script": ("python", "x.py")}, ["(--lr)"]),
     ({"name": "a/b"}, ["TrainConfig.name"]),
+    ({"optimizer": "adam", "freeze_step": 5}, ["TrainConfig.freeze_step", "clan, lans", "'adam'"]),
 ])
 def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
     base = {"task": "digits-cnn"}

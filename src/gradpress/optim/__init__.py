@@ -28,7 +28,7 @@ CLAN_REFERENCE_LR = {
 
 def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
          eps: float = 1e-6, weight_decay: float = 0.01, min_trust: float | None = None,
-         max_trust: float | None = None) -> LANS:
+         max_trust: float | None = None, freeze_step: int | None = None) -> LANS:
     """The optimizer half of CLAN: :class:`LANS` with per-layer gradient normalisation off.
 
     CLAN (Zhong, Xie, Zheng, Lin 2021, "Compressed Communication for Distributed Training:
@@ -45,8 +45,7 @@ def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (
 
     This builds only the optimizer; wrap it with
     ``gp.DistributedOptimizer(opt, named_parameters=..., compression="onebit", ef="vanilla")``.
-    A one-call CLAN builder (optimizer and distributed wrapper) will live in
-    ``gradpress.torch``.
+    :func:`gradpress.CLAN` builds both in one call.
 
     Args:
         params: iterable of parameters or of param-group dicts.
@@ -56,6 +55,8 @@ def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (
         weight_decay: decoupled weight decay, >= 0 (use a group with 0 for biases/LayerNorm).
         min_trust: optional lower bound of the LANS trust ratios.
         max_trust: optional upper bound of the LANS trust ratios.
+        freeze_step: None, or freeze the second moment after this many steps (usually the
+            uncompressed warm-up steps; see :class:`LANS`).
 
     Returns:
         A :class:`LANS` with ``normalize_grad=False``.
@@ -64,4 +65,5 @@ def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (
         ValueError: a hyperparameter is out of range.
     """
     return LANS(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                normalize_grad=False, min_trust=min_trust, max_trust=max_trust)
+                normalize_grad=False, min_trust=min_trust, max_trust=max_trust,
+                freeze_step=freeze_step)

@@ -104,16 +104,19 @@ W1, B2, W2, ES, KR, KC, WD, FR, FC, LO, HI = range(11)
 
 def coeffs(beta1: float, beta2: float, eps: float, weight_decay: float, lr: float, s: float,
            kr: float, min_trust: float | None, max_trust: float | None,
-           blend: bool) -> np.ndarray:
+           blend: bool, frozen: bool = False) -> np.ndarray:
     """The float32 scalars of one tensor's step, rounded from Python floats as torch does.
 
     ``s`` is ``sqrt(1-b2^t)`` (1 without bias correction) and ``kr`` the scale of ``m`` in
     the momentum direction (``s/(1-b1^t)``, or 1). ``blend`` selects LANS's learning-rate
-    factors ``-lr*b1`` and ``-lr*(1-b1)``; LAMB's is ``-lr``.
+    factors ``-lr*b1`` and ``-lr*(1-b1)``; LAMB's is ``-lr``. ``frozen`` keeps ``v`` as it is
+    (``b2`` = 1, ``1-b2`` = 0).
     """
     f32 = np.float32
     h = np.empty(11, dtype=np.float32)
     h[W1], h[B2], h[W2] = f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2)
+    if frozen:
+        h[B2], h[W2] = f32(1.0), f32(0.0)
     h[ES], h[KR], h[KC], h[WD] = f32(eps * s), f32(kr), f32(s), f32(weight_decay)
     h[FR] = f32(-lr * beta1) if blend else f32(-lr)
     h[FC] = f32(-lr * (1.0 - beta1))

@@ -48,6 +48,12 @@ class LANS(BucketedOptimizer):
        clamped to ``[min_trust, max_trust]`` when given.
     7. Update: ``x = x - lr*b1*q_r*r - lr*(1-b1)*q_c*c``.
 
+    With ``freeze_step`` (None by default), a tensor's ``v`` stops changing after its
+    ``freeze_step``-th step and its bias correction stays ``1-b2^freeze_step`` (step 2 updates
+    only ``m``; step 3 uses ``min(t, freeze_step)`` for ``v``), as 1-bit Adam and DeepSpeed's
+    1-bit LAMB do once compression starts: a sign- or top-k-compressed gradient is a poor
+    estimate of the per-element second moment.
+
     The trust ratios make the step of every layer proportional to that layer's weight norm, so
     one learning rate serves embeddings, attention and LayerNorm weights alike; this is what
     lets LANS/LAMB train BERT at batch 32k-96k. Weight decay is decoupled (added to the
@@ -73,6 +79,9 @@ class LANS(BucketedOptimizer):
       scale (useful with loss scaling or very large batches). Turn it off (CLAN) when the
       gradient comes through compression with error feedback: normalising a compressed
       gradient per layer would rescale the residual that the error feedback carries over.
+    * ``freeze_step``: None (LANS proper). Set it to the number of uncompressed warm-up steps
+      when the gradient is compressed afterwards, so ``v`` keeps the dense gradient's
+      per-element scale (measured in ``docs/convergence.md``).
     * ``min_trust``/``max_trust``: None (unbounded) unless some layer's weight norm is near 0
       at initialisation and its step gets too small (``min_trust``), or a layer with a tiny
       update direction explodes (``max_trust``, e.g. 10).
@@ -95,6 +104,7 @@ class LANS(BucketedOptimizer):
         normalize_grad: divide each tensor's gradient by its L2 norm first (step 1).
         min_trust: optional lower bound of the trust ratios (step 6).
         max_trust: optional upper bound of the trust ratios (step 6).
+        freeze_step: None, or an int >= 1: ``v`` is frozen after this many steps of a tensor.
         fused: None (default) picks the fused CPU kernel for every bucket of contiguous float32
             CPU tensors and the foreach path for the rest; True requires the fused kernel
             (ValueError for a parameter, gradient or moment it cannot take); False always uses
@@ -114,9 +124,10 @@ class LANS(BucketedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, normalize_grad: bool = True,
                  min_trust: float | None = None, max_trust: float | None = None,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, freeze_step: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        normalize_grad=normalize_grad, min_trust=min_trust, max_trust=max_trust)
+                        normalize_grad=normalize_grad, min_trust=min_trust, max_trust=max_trust,
+                        freeze_step=freeze_step)
         check_fused(fused)
         self.fused = fused
         self._check_group(defaults)
@@ -127,6 +138,9 @@ class LANS(BucketedOptimizer):
         if not isinstance(group["normalize_grad"], bool):
             raise ValueError(f"normalize_grad must be a bool, got {group['normalize_grad']!r}")
         check_trust(group["min_trust"], group["max_trust"])
+        fs = group.setdefault("freeze_step", None)
+        if fs is not None and (not isinstance(fs, int) or isinstance(fs, bool) or fs < 1):
+            raise ValueError(f"freeze_step must be None or an int >= 1, got {fs!r}")
         self._check_fused_params(group)
 
     @staticmethod
@@ -139,16 +153,17 @@ class LANS(BucketedOptimizer):
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
         if use_fused(b, self.fused, type(self).__name__):
             # Steps 1-7 per tensor in two passes (gradpress.optim.kernels).
-            fused_layerwise_(b, group, blend=True, normalize=group["normalize_grad"])
+            fused_layerwise_(b, group, blend=True, normalize=group["normalize_grad"],
+                             freeze_step=group.get("freeze_step"))
             return
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         # Step 1: per-layer gradient normalisation (a copy; p.grad stays as it was).
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        # Step 2: first and second moments, in place in the state.
-        moments_(b, g, beta1, beta2)
+        # Step 2: first and second moments, in place in the state (v not past freeze_step).
+        moments_(b, g, beta1, beta2, freeze_step=group.get("freeze_step"))
         # Step 3: d = s*(sqrt(vh) + eps) with s = sqrt(1 - b2^t), per tensor's own t.
-        d, s = adam_denominators(b, beta2, group["eps"])
+        d, s = adam_denominators(b, beta2, group["eps"], freeze_step=group.get("freeze_step"))
         # Step 4: r = mh/(sqrt(vh)+eps) + wd*x = m * s/(1 - b1^t) / d + wd*x.
         r = direction(b.exp_avgs, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
                       b.params, wd)

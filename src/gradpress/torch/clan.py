@@ -38,7 +38,8 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
          lr: float = 1e-3, *, compression: str | Mapping[str, Any] | CodecSpec = "onebit",
          ef: str = "vanilla", warmup_steps: int = DEFAULT_WARMUP_STEPS,
          weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999),
-         eps: float = 1e-6, min_compress_bytes: int | None = 1 << 20,
+         eps: float = 1e-6, freeze_variance: bool = False,
+         min_compress_bytes: int | None = 1 << 20,
          backward_passes_per_step: int = 1, nan_policy: str = "raise") -> torch.optim.Optimizer:
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
@@ -56,12 +57,21 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             a transformer's loss lags the uncompressed run; 0 for small CNNs, which show no
             gap). They cost dense traffic: negligible in a long run, half of a 200-step one.
         weight_decay, betas, eps: LANS hyperparameters (``docs/optimizers.md``).
+        freeze_variance: freeze LANS's second moment when compression starts (after
+            ``warmup_steps``, which must then be >= 1), as 1-bit Adam does; see
+            ``docs/convergence.md`` for what it did on stdlib-mlm.
         min_compress_bytes: tensors smaller than this travel uncompressed and exact.
         backward_passes_per_step, nan_policy: as in :func:`DistributedOptimizer`.
     """
+    if not isinstance(freeze_variance, bool):
+        raise TypeError(f"freeze_variance must be a bool, got {freeze_variance!r}")
+    if freeze_variance and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
+        raise ValueError(f"freeze_variance=True needs warmup_steps >= 1 (the second moment is "
+                         f"frozen when compression starts), got warmup_steps={warmup_steps!r}")
     named = list(named_parameters)
     opt = clan_optimizer([p for _, p in named], lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay)
+                         weight_decay=weight_decay,
+                         freeze_step=warmup_steps if freeze_variance else None)
     return DistributedOptimizer(opt, named_parameters=named, compression=compression, ef=ef,
                                 min_compress_bytes=min_compress_bytes,
                                 backward_passes_per_step=backward_passes_per_step,

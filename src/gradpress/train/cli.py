@@ -84,7 +84,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     a("--warmup-steps", type=int, help="linear lr warm-up steps (default: the task's)")
     a("--schedule", default="cosine", metavar="KIND",
       help=f"lr schedule after warm-up: {', '.join(SCHEDULES)} (default cosine)")
-    a("--freeze-step", type=int, help="onebit-adam warm-up steps (default 20%% of the run)")
+    a("--freeze-step", type=int,
+      help="onebit-adam warm-up steps (default 20%% of the run); clan/lans: freeze the second "
+           "moment after N steps (default never)")
     a("--uncompressed-steps", type=int,
       help="first N steps send uncompressed gradients (default: the optimizer's, "
            "docs/convergence.md)")

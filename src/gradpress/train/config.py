@@ -102,6 +102,8 @@ class TrainConfig:
     #: Schedule after warm-up: ``constant``, ``cosine`` (to 0) or ``linear`` (to 0).
     schedule: str = "cosine"
     #: 1-bit Adam's uncompressed warm-up steps; None: 20% of the run (DeepSpeed uses 15-25%).
+    #: With ``clan``/``lans``: freeze the second moment after this many steps (None: never;
+    #: usually equal to ``uncompressed_steps``).
     freeze_step: int | None = None
     #: First steps whose gradients travel uncompressed (``DistributedOptimizer(warmup_steps=)``);
     #: None: :data:`DEFAULT_UNCOMPRESSED_STEPS` of the optimizer (0 if absent). Not for
@@ -133,6 +135,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.uncompressed_steps is for gradient-compressing "
                              f"optimizers (clan, lans, lamb, adam), got "
                              f"{self.uncompressed_steps} with optimizer {self.optimizer!r}")
+        if self.freeze_step is not None and self.optimizer not in ("clan", "lans", "onebit-adam"):
+            raise ValueError(f"TrainConfig.freeze_step is for clan, lans and onebit-adam, got "
+                             f"{self.freeze_step} with optimizer {self.optimizer!r}")
         _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
         _number(self, "lr", 0.0, strict=True)

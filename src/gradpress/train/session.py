@@ -79,6 +79,8 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
                                           DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
     if cfg.optimizer == "onebit-adam":
         hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
+    elif cfg.optimizer in ("clan", "lans"):
+        hp["freeze_step"] = cfg.freeze_step
     return hp
 
 
@@ -200,9 +202,9 @@ class Session:
                                 "min_compress_bytes": cfg.min_compress_bytes,
                                 "warmup_steps": hp.get("uncompressed_steps", 0)}
         if cfg.optimizer == "clan":
-            opt = clan(groups, lr=lr, weight_decay=wd)
+            opt = clan(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
         elif cfg.optimizer == "lans":
-            opt = LANS(groups, lr=lr, weight_decay=wd)
+            opt = LANS(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
         elif cfg.optimizer == "lamb":
             opt = LAMB(groups, lr=lr, weight_decay=wd)
         elif cfg.optimizer == "adam":
