@@ -39,7 +39,8 @@ from gradpress.compress import build, codec_names
 from gradpress.sim.rates import best_time
 
 SPECS = ("none", "fp16", "bf16", "onebit", "topk:k=0.001", "topk:k=0.001,values=fp16",
-         "randomk:k=0.01", "dithering:s=7", "dithering:s=7,partition=natural")
+         "topk:k=0.001,values=fp16,indices=int32", "randomk:k=0.01", "dithering:s=7",
+         "dithering:s=7,partition=natural")
 #: fraction of the copy speed each family must reach (compress and decompress)
 TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "randomk": 0.5, "dithering": 0.25,
            "topk": 0.25}

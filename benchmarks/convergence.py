@@ -318,7 +318,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--collect-only", action="store_true", help="only tabulate existing runs")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--wire", action="store_true",
-                   help="only print the top-k 0.1%% fp16 wire sizes of single tensors")
+                   help="only print the top-k 0.1%% fp16 wire sizes of single tensors "
+                        "(bit-packed indices, then int32 indices)")
     args = p.parse_args(argv)
     if args.quick:
         args.tasks, args.codecs, args.optimizers = ["digits-cnn"], ["none", "onebit"], ["clan"]
@@ -330,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.wire:
         print(wire_table())
+        print("\nThe same with the int32 index layout (as in the paper):\n")
+        print(wire_table("topk:k=0.001,values=fp16,indices=int32"))
         return 0
     try:
         runs = expand(args)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 from gradpress.compress import HEADER_BYTES, build
 from gradpress.compress.kernels import sparse as K
-from gradpress.compress.sparse import resolve_k
+from gradpress.compress.sparse import pack_indices_torch, resolve_k, unpack_indices_torch
 
 SIZES = [0, 1, 7, 8, 1000003]
 TOPK_SPECS = ["topk:k=0.001", "topk:k=0.001,values=fp16", "topk:k=0.25", "topk:k=5"]
@@ -60,8 +63,13 @@ def test_resolve_k(k: float, numel: int, expected: int) -> None:
 @pytest.mark.parametrize("numel", SIZES)
 def test_payload_sizes(numel: int) -> None:
     kk = resolve_k(0.001, numel)
-    assert build("topk:k=0.001", numel).payload_bytes == HEADER_BYTES + 8 * kk
-    assert build("topk:k=0.001,values=fp16", numel).payload_bytes == HEADER_BYTES + 6 * kk
+    w = max(1, (numel - 1).bit_length())
+    assert build("topk:k=0.001", numel).payload_bytes == HEADER_BYTES + 4 * kk + -(-kk * w // 8)
+    assert build("topk:k=0.001,values=fp16", numel).payload_bytes == \
+        HEADER_BYTES + 2 * kk + -(-kk * w // 8)
+    assert build("topk:k=0.001,indices=int32", numel).payload_bytes == HEADER_BYTES + 8 * kk
+    assert build("topk:k=0.001,values=fp16,indices=int32", numel).payload_bytes == \
+        HEADER_BYTES + 6 * kk
     kr = resolve_k(0.01, numel)
     assert build("randomk:k=0.01", numel).payload_bytes == HEADER_BYTES + 4 * kr
     assert build("topk", numel).kk == resolve_k(0.01, numel)
@@ -283,7 +291,7 @@ def test_randomk_non_finite() -> None:
 
 @pytest.mark.parametrize("backend", ["numba", "torch"])
 def test_topk_corrupt_index_rejected(backend: str) -> None:
-    codec = build("topk:k=4", 50, backend=backend)
+    codec = build("topk:k=4,indices=int32", 50, backend=backend)
     payload = codec.compress(torch.randn(50))
     payload[HEADER_BYTES:HEADER_BYTES + 4].view(torch.int32)[0] = 50
     with pytest.raises(ValueError, match="out of range"):
@@ -344,3 +352,195 @@ def test_topk_fp16_saturates(backend: str) -> None:
     codec = build("topk:k=2,values=fp16", 4, backend=backend)
     y = codec.decompress(codec.compress(x))
     assert y.tolist() == [65504.0, -65504.0, 0.0, 0.0]
+
+
+# -- topk index layouts: packed (default) and int32 ----------------------------------------------
+LAYOUT_SIZES = [1, 2, 3, 255, 256, 257, 16384, 65537]
+LAYOUT_KS = ["0.001", "0.3", "1", "7"]
+
+
+def _tie_free(n: int, seed: int) -> torch.Tensor:
+    """Distinct magnitudes (a permutation of 1..n, random signs): one exact top-k, any backend."""
+    g = _gen(seed)
+    sign = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    return (torch.randperm(n, generator=g).float() + 1) * 0.37 * sign
+
+
+def _index_bits(numel: int) -> int:
+    return max(1, math.ceil(math.log2(numel))) if numel > 1 else 1
+
+
+def _expected_decode(x: torch.Tensor, kk: int, fp16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    sel = torch.topk(x.abs(), kk).indices.sort().values
+    v = x[sel].clamp(-65504, 65504).half().float() if fp16 else x[sel]
+    y = torch.zeros(x.numel())
+    y[sel] = v
+    return sel, y
+
+
+@pytest.mark.parametrize("layout", ["packed", "int32"])
+@pytest.mark.parametrize("k", LAYOUT_KS)
+@pytest.mark.parametrize("numel", LAYOUT_SIZES)
+def test_topk_layout_round_trip(numel: int, k: str, layout: str) -> None:
+    values = "fp16" if k in ("0.3", "7") else "fp32"
+    codec = build(f"topk:k={k},values={values},indices={layout}", numel)
+    x = _tie_free(numel, numel)
+    payload = codec.compress(x, key=2, step=5)
+    assert payload.numel() == codec.payload_bytes
+    sel, expect = _expected_decode(x, codec.kk, values == "fp16")
+    got, _ = _selected(codec, payload)
+    assert torch.equal(got, sel)
+    assert torch.equal(codec.decompress(payload, key=2, step=5), expect)
+    acc = torch.ones(numel)
+    codec.decompress_add(payload, acc, alpha=-1.0)
+    assert torch.equal(acc, 1.0 - expect)
+
+
+@pytest.mark.parametrize("numel", LAYOUT_SIZES + [0, 1 << 20, 2**31 - 1])
+def test_topk_payload_size_formula(numel: int) -> None:
+    for k in (0.001, 0.01, 5.0):
+        for values, vb in (("fp32", 4), ("fp16", 2)):
+            kk = resolve_k(k, numel)
+            packed = build(f"topk:k={k},values={values}", numel)
+            assert packed.params["indices"] == "packed"
+            w = _index_bits(numel)
+            assert packed.index_bits == w
+            assert packed.payload_bytes == HEADER_BYTES + kk * vb + math.ceil(kk * w / 8)
+            legacy = build(f"topk:k={k},values={values},indices=int32", numel)
+            assert legacy.payload_bytes == HEADER_BYTES + kk * (4 + vb)
+
+
+def test_topk_packed_beats_333x_against_fp16() -> None:
+    """BERT-size chunks: 20-bit indices give ~444x (16 / (0.001 * 36)), not ~333x; the bundled
+    tasks' small tensors beat 333x too."""
+    fp16 = build("fp16", 1 << 20).payload_bytes
+    packed = build("topk:k=0.001,values=fp16", 1 << 20)
+    assert packed.index_bits == 20
+    assert fp16 / packed.payload_bytes == pytest.approx(16 / (0.001 * 36), rel=0.01)
+    legacy = build("topk:k=0.001,values=fp16,indices=int32", 1 << 20)
+    assert fp16 / legacy.payload_bytes == pytest.approx(333, rel=0.01)
+    for n in (36864, 49152):
+        assert build("fp16", n).payload_bytes / build("topk:k=0.001,values=fp16", n) \
+            .payload_bytes > 333
+
+
+def _reference_stream(idx: list[int], w: int) -> bytes:
+    """The documented bit stream, built with Python integers: index j at bits [j*w, j*w + w)."""
+    word = sum(int(i) << (j * w) for j, i in enumerate(idx))
+    return word.to_bytes(math.ceil(len(idx) * w / 8), "little")
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(1, 31), data=st.data())
+def test_property_pack_indices_matches_reference(w: int, data: st.DataObject) -> None:
+    idx = data.draw(st.lists(st.integers(0, 2**w - 1), max_size=70))
+    ia = np.array(idx, dtype=np.int32)
+    ref = _reference_stream(idx, w)
+    out = np.full(len(ref), 0xAB, np.uint8)  # garbage: the pad bits must be written as zeros
+    K.pack_indices(ia, w, out)
+    assert bytes(out) == ref
+    t = pack_indices_torch(torch.from_numpy(ia), w, len(ref))
+    assert bytes(t.numpy()) == ref
+    back = np.empty(len(idx), np.int32)
+    K.unpack_indices(out, w, back)
+    assert back.tolist() == idx
+    assert unpack_indices_torch(torch.from_numpy(out), w, len(idx)).tolist() == idx
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(numel=st.one_of(st.integers(1, 600), st.integers(600, 70000)), k=_k,
+       seed=st.integers(0, 2**16), layout=st.sampled_from(["packed", "int32"]),
+       values=st.sampled_from(["fp32", "fp16"]))
+def test_property_topk_layout_decode_and_ef(numel: int, k: float, seed: int, layout: str,
+                                            values: str) -> None:
+    spec = f"topk:k={k},values={values},indices={layout}"
+    x = _tie_free(numel, seed) * (1e-3 if seed % 2 else 1.0)
+    codec = build(spec, numel)
+    _, expect = _expected_decode(x, codec.kk, values == "fp16")
+    y = codec.decompress(codec.compress(x))
+    assert torch.equal(y, expect)
+    # error feedback (fused CPU path): residual == p - decode(payload), exactly, in float64
+    ef = build(spec, numel, ef="vanilla")
+    p = x
+    for step in range(2):
+        payload = ef.compress(p if step == 0 else x, key=1, step=step)
+        dec = codec.decompress(payload)
+        assert torch.equal(ef.residual.double(), p.double() - dec.double())
+        p = x + ef.residual  # float32, as the codec computes p = g + e
+
+
+@pytest.mark.parametrize("layout", ["packed", "int32"])
+@pytest.mark.parametrize("numel", [3, 257, 16384, 65537, N_LARGE + 3])
+def test_topk_layout_numba_torch_byte_identical(numel: int, layout: str) -> None:
+    x = _tie_free(numel, 21)
+    for values in ("fp32", "fp16"):
+        spec = f"topk:k=0.01,values={values},indices={layout}"
+        a, b = build(spec, numel), build(spec, numel, backend="torch")
+        pa, pb = a.compress(x, key=4, step=6), b.compress(x, key=4, step=6)
+        assert torch.equal(pa, pb)
+        assert torch.equal(a.decompress(pa), b.decompress(pa))
+        ea, eb = build(spec, numel, ef="vanilla"), build(spec, numel, ef="vanilla",
+                                                         backend="torch")
+        for step in range(2):  # fused numba EF vs the torch fallback: same bytes and residual
+            assert torch.equal(ea.compress(x, step=step), eb.compress(x, step=step))
+            assert torch.equal(ea.residual, eb.residual)
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("values,vb", [("fp32", 4), ("fp16", 2)])
+def test_topk_packed_corrupt_index_names_key_and_range(backend: str, values: str,
+                                                        vb: int) -> None:
+    n, kk = 50, 4  # w = 6 bits: the fields can hold 50..63, which no encoder writes
+    codec = build(f"topk:k={kk},values={values}", n, backend=backend)
+    payload = codec.compress(_tie_free(n, 3), key=7)
+    payload[HEADER_BYTES + kk * vb] |= 0x3F  # first index field -> 63
+    with pytest.raises(ValueError, match=r"key 7: index .*out of range \[0, 50\)"):
+        codec.decompress(payload)
+    acc = torch.ones(n)
+    with pytest.raises(ValueError, match=r"key 7: index .*out of range \[0, 50\)"):
+        codec.decompress_add(payload, acc)
+    assert torch.equal(acc, torch.ones(n))  # nothing written
+
+
+def test_topk_int32_payload_rejected_by_packed_codec() -> None:
+    x = torch.randn(1000, generator=_gen(4))
+    legacy = build("topk:k=10,indices=int32", 1000).compress(x, key=9)
+    packed = build("topk:k=10", 1000)
+    with pytest.raises(ValueError, match=r"key 9: codec config fingerprint .*indices=packed"):
+        packed.decompress(legacy)
+    with pytest.raises(ValueError, match="indices=int32"):
+        build("topk:k=10,indices=int32", 1000).decompress(packed.compress(x))
+    with pytest.raises(ValueError, match="indices.*int16|int16.*indices"):
+        build("topk:indices=int16", 1000)
+
+
+@pytest.mark.parametrize("values", ["fp32", "fp16"])
+@pytest.mark.parametrize("numel", [1, 257, 65537])
+def test_topk_int32_layout_byte_identical(numel: int, values: str) -> None:
+    """``indices=int32`` keeps the pre-packing body: kk int32 indices, then kk values."""
+    codec = build(f"topk:k=0.01,values={values},indices=int32", numel)
+    x = _tie_free(numel, 8) * 1e3
+    body = bytes(codec.compress(x)[HEADER_BYTES:].numpy())
+    sel = torch.topk(x.abs(), codec.kk).indices.sort().values.tolist()
+    v = x[sel].numpy()
+    vals = np.clip(v, -65504, 65504).astype("<f2") if values == "fp16" else v.astype("<f4")
+    assert body == struct.pack(f"<{len(sel)}i", *sel) + vals.tobytes()
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+@pytest.mark.parametrize("layout", ["packed", "int32"])
+def test_topk_misaligned_payload(layout: str, backend: str) -> None:
+    """Payloads packed back to back (DDP hook slots) can start at any byte: same bytes, same
+    decode, same error-feedback result as an aligned payload."""
+    n, spec = 1001, f"topk:k=7,values=fp16,indices={layout}"
+    x = _tie_free(n, 5)
+    codec = build(spec, n, backend=backend)
+    ref = codec.compress(x, key=1)
+    for off in (1, 2, 3):
+        buf = torch.zeros(off + codec.payload_bytes, dtype=torch.uint8)
+        got = codec.compress(x, key=1, out=buf[off:])
+        assert torch.equal(got, ref)
+        assert torch.equal(codec.decompress(got), codec.decompress(ref))
+        ef = build(spec, n, backend=backend, ef="vanilla")
+        assert torch.equal(ef.compress(x, key=1, out=buf[off:]), ref)
+        assert torch.equal(ef.residual, x - codec.decompress(ref))

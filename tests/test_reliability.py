@@ -246,8 +246,10 @@ SERVER_CASES: dict[str, tuple[str, dict, Callable[[int], torch.Tensor] | None, s
     "nan values": ("none", {}, _with_nan, "non-finite"),
     "inf onebit scale": ("onebit", {}, lambda k: _set(_payload("onebit", k), -4, "<f", math.inf),
                          "non-finite"),
-    "topk index": ("topk:k=4", {}, lambda k: _set(_payload("topk:k=4", k), HEADER_BYTES, "<i",
-                                                  10**6), "out of range"),
+    # N = 64 is a power of two: every 6-bit packed index is in range, so corrupt an int32 one
+    "topk index": ("topk:k=4,indices=int32", {},
+                   lambda k: _set(_payload("topk:k=4,indices=int32", k), HEADER_BYTES, "<i",
+                                  10**6), "out of range"),
 }
 
 

@@ -22,6 +22,10 @@ selection time"), made exact:
 5. Radix fallback: histogram the high 15 magnitude bits, then the low 16 bits inside the boundary
    bin, giving ``T`` and ``#(> T)`` exactly; then one emitting pass as in step 4.
 
+Top-k indices on the wire (``indices=packed``): ``w``-bit fields, LSB-first: index ``j`` occupies
+stream bits ``[j*w, j*w + w)``, stream bit ``b`` is bit ``b % 8`` of byte ``b // 8``; the unused
+bits of the last byte are 0 (:func:`pack_indices`, :func:`unpack_indices`).
+
 Magnitudes are compared as the integer bits of ``|x|`` (``bits & 0x7FFFFFFF``), which order like
 the floats for all non-NaN values; NaN sorts above inf.
 
@@ -45,7 +49,8 @@ import numpy as np
 import torch
 
 __all__ = ["stream_words", "randomk_positions", "randomk_positions_torch", "randomk_gather",
-           "topk_select", "sample_positions", "gather", "scatter", "MAG_MASK", "EXP_BITS"]
+           "topk_select", "sample_positions", "gather", "scatter", "pack_indices", "unpack_indices",
+           "MAG_MASK", "EXP_BITS"]
 
 MAG_MASK = np.uint32(0x7FFFFFFF)
 EXP_BITS = 0x7F800000
@@ -376,3 +381,38 @@ def scatter(vals: np.ndarray, idx: np.ndarray, out: np.ndarray, alpha: float,
         else:
             out[idx[j]] = vals[j]
     return -1
+
+
+# -- top-k: bit-packed indices ------------------------------------------------------------------
+@numba.njit(cache=True, nogil=True)
+def pack_indices(idx: np.ndarray, w: int, out: np.ndarray) -> None:
+    """Pack int32 ``idx`` (each in ``[0, 2**w)``, ``w <= 31``) as ``w``-bit fields, LSB-first,
+    into uint8 ``out`` of ``ceil(len(idx) * w / 8)`` bytes (the last byte zero-padded)."""
+    mask = np.uint64((1 << w) - 1)
+    acc, nbits, o = np.uint64(0), 0, 0
+    for j in range(idx.shape[0]):
+        acc |= (np.uint64(idx[j]) & mask) << np.uint64(nbits)  # acc holds < 8 + 31 bits
+        nbits += w
+        while nbits >= 8:
+            out[o] = np.uint8(acc & np.uint64(0xFF))
+            acc >>= np.uint64(8)
+            nbits -= 8
+            o += 1
+    if nbits > 0:
+        out[o] = np.uint8(acc)
+
+
+@numba.njit(cache=True, nogil=True)
+def unpack_indices(body: np.ndarray, w: int, out: np.ndarray) -> None:
+    """Inverse of :func:`pack_indices`: read ``len(out)`` ``w``-bit fields into int32 ``out``
+    (reads exactly ``ceil(len(out) * w / 8)`` bytes of ``body``; values are not range-checked)."""
+    mask = np.uint64((1 << w) - 1)
+    acc, nbits, i = np.uint64(0), 0, 0
+    for j in range(out.shape[0]):
+        while nbits < w:
+            acc |= np.uint64(body[i]) << np.uint64(nbits)
+            nbits += 8
+            i += 1
+        out[j] = np.int32(acc & mask)
+        acc >>= np.uint64(w)
+        nbits -= w
