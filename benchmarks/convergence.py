@@ -54,6 +54,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "warmup100": {"args": {"uncompressed-steps": 100}},
     "warmup100-freeze": {"args": {"uncompressed-steps": 100, "freeze-step": 100}},
     "warmup50-freeze": {"args": {"uncompressed-steps": 50, "freeze-step": 50}},
+    "b2": {"args": {"beta2": 0.99}},
+    "warmup100-b2": {"args": {"uncompressed-steps": 100, "beta2": 0.99}},
     "nowarmup": {"args": {"uncompressed-steps": 0}},
     "corrected": {"args": {"ef": "corrected"}},
     "noef": {"args": {"ef": "none"}},

@@ -55,6 +55,8 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"task": None, "script": ("python", "x.py")}, ["(--lr)"]),
     ({"name": "a/b"}, ["TrainConfig.name"]),
     ({"optimizer": "adam", "freeze_step": 5}, ["TrainConfig.freeze_step", "clan, lans", "'adam'"]),
+    ({"beta2": 1.0}, ["TrainConfig.beta2", ">= 0.0 and < 1.0"]),
+    ({"optimizer": "sgd-ef", "beta2": 0.99}, ["TrainConfig.beta2", "Adam-family", "'sgd-ef'"]),
 ])
 def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
     base = {"task": "digits-cnn"}

@@ -91,6 +91,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
       help="first N steps send uncompressed gradients (default: the optimizer's, "
            "docs/convergence.md)")
     a("--momentum", type=float, help="sgd-ef momentum (default: the task's)")
+    a("--beta2", type=float, help="second-moment decay of the Adam-family optimizers "
+                                  "(default: theirs, 0.999)")
     a("--min-compress-bytes", type=int, default=16 << 10,
       help="smaller gradients travel uncompressed (default 16384)")
     a("--eval-every", type=int, help="evaluate every N steps (default: every epoch)")
@@ -116,7 +118,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,
         uncompressed_steps=args.uncompressed_steps,
-        momentum=args.momentum, min_compress_bytes=args.min_compress_bytes,
+        momentum=args.momentum, beta2=args.beta2, min_compress_bytes=args.min_compress_bytes,
         eval_every=args.eval_every, seed=args.seed, out=args.out,
         progress=not args.no_progress)
 

@@ -111,6 +111,10 @@ class TrainConfig:
     uncompressed_steps: int | None = None
     #: Momentum coefficient of ``sgd-ef`` (applied before compression); None: the task's.
     momentum: float | None = None
+    #: Decay of the second moment (``b2``) of the Adam-family optimizers (all but ``sgd-ef``);
+    #: None: the optimizer's default, 0.999. Lower (0.99) makes ``v`` follow the gradient's
+    #: current scale within about 1/(1-b2) steps.
+    beta2: float | None = None
     #: Gradients smaller than this many bytes travel uncompressed (16 KiB: the bundled tasks'
     #: large weight tensors are compressed, norms and biases are not).
     min_compress_bytes: int = 16 << 10
@@ -143,6 +147,10 @@ class TrainConfig:
         _number(self, "lr", 0.0, strict=True)
         _number(self, "weight_decay", 0.0, strict=False)
         _number(self, "momentum", 0.0, strict=False, hi=1.0)
+        _number(self, "beta2", 0.0, strict=False, hi=1.0)
+        if self.beta2 is not None and self.optimizer == "sgd-ef":
+            raise ValueError(f"TrainConfig.beta2 is for the Adam-family optimizers, got "
+                             f"{self.beta2} with optimizer 'sgd-ef'")
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         _choice(self, "ef", EF_CHOICES, "error feedback")
         _choice(self, "schedule", SCHEDULES, "schedule")

@@ -77,6 +77,8 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
     if cfg.optimizer not in ("sgd-ef", "onebit-adam"):
         hp["uncompressed_steps"] = _first(cfg.uncompressed_steps,
                                           DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
+    if cfg.optimizer != "sgd-ef":
+        hp["betas"] = (0.9, _first(cfg.beta2, 0.999))
     if cfg.optimizer == "onebit-adam":
         hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
     elif cfg.optimizer in ("clan", "lans"):
@@ -202,13 +204,15 @@ class Session:
                                 "min_compress_bytes": cfg.min_compress_bytes,
                                 "warmup_steps": hp.get("uncompressed_steps", 0)}
         if cfg.optimizer == "clan":
-            opt = clan(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
+            opt = clan(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
+                       freeze_step=hp["freeze_step"])
         elif cfg.optimizer == "lans":
-            opt = LANS(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
+            opt = LANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
+                       freeze_step=hp["freeze_step"])
         elif cfg.optimizer == "lamb":
-            opt = LAMB(groups, lr=lr, weight_decay=wd)
+            opt = LAMB(groups, lr=lr, weight_decay=wd, betas=hp["betas"])
         elif cfg.optimizer == "adam":
-            opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd)
+            opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd, betas=hp["betas"])
         elif cfg.optimizer == "sgd-ef":
             mu = hp["momentum"]
             if cfg.compressed:  # momentum before compression, on the workers (dist-EF-SGDM)
@@ -218,7 +222,8 @@ class Session:
                 opt = torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=mu,
                                       nesterov=mu > 0)
         else:
-            opt = OneBitAdam(groups, lr=lr, weight_decay=wd, freeze_step=hp["freeze_step"])
+            opt = OneBitAdam(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
+                             freeze_step=hp["freeze_step"])
             opt.communicate = self._communicate_momentum
             wrap = {"compression": "none"}
         for g in opt.param_groups:
