@@ -14,6 +14,12 @@ LANS at lr 0.01) CLAN onebit was 9.0% behind without warm-up and 1.3% with 50 st
 runs); top-k 0.1% fp16 was 2.9 +- 1.6% behind with 50 steps and 0.0 +- 0.3% with 100, and at
 400 steps 100 warm-up steps beat 50 for both codecs (onebit +2.1% vs +2.4%, top-k +2.4% vs
 +3.4%). Corrected error feedback and finer scales helped less than the warm-up.
+
+Known limit: in 800-step runs the gap grows to about 8.6% (3 seeds): uncompressed LANS starts to
+use the context late in the run and compressed CLAN does not; about 3.4 points of it are CLAN's
+missing gradient normalisation (uncompressed CLAN is that far behind too). On that task 1-bit
+Adam (:class:`gradpress.optim.OneBitAdam`, momentum compression after a dense warm-up) kept up
+with uncompressed Adam (``docs/convergence.md``, sections 2.4-2.5).
 """
 
 from __future__ import annotations
