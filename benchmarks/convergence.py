@@ -50,6 +50,12 @@ GRADIENT_OPTIMIZERS = ("clan", "lans", "lamb", "adam")
 #: Remedy variants (``--variants``): extra ``gradpress train`` options and environment.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
+    "noblend": {"args": {"no-blend": True}},
+    "noprec": {"args": {"no-precondition": True}},
+    "sendgrad": {"args": {"sends": "gradient"}},
+    "noblend-noprec": {"args": {"no-blend": True, "no-precondition": True}},
+    "freeze100": {"args": {"freeze-step": 100}},
+    "freeze320": {"args": {"freeze-step": 320}},
     "warmup50": {"args": {"uncompressed-steps": 50}},
     "warmup100": {"args": {"uncompressed-steps": 100}},
     "warmup100-freeze": {"args": {"uncompressed-steps": 100, "freeze-step": 100}},
@@ -75,6 +81,7 @@ LRS: dict[tuple[str, str, str], float] = {
     ("digits-cnn", "adam", "*"): 1e-3, ("digits-cnn", "onebit-adam", "*"): 1e-3,
     ("digits-cnn", "sgd-ef", "*"): 3e-3,
     ("stdlib-mlm", "clan", "*"): 1e-2, ("stdlib-mlm", "lans", "*"): 1e-2,
+    ("stdlib-mlm", "onebit-lans", "*"): 1e-2, ("digits-cnn", "onebit-lans", "*"): 4e-3,
     ("stdlib-mlm", "adam", "*"): 1e-3, ("stdlib-mlm", "onebit-adam", "*"): 1e-3,
     ("stdlib-mlm", "sgd-ef", "*"): 0.1,
 }
@@ -114,7 +121,7 @@ class Run:
         if self.optimizer in GRADIENT_OPTIMIZERS and self.codec != "none":
             extra.setdefault("uncompressed-steps", 0)  # explicit: the CLI default may change
         for k, v in extra.items():
-            cmd += [f"--{k}", str(v)]
+            cmd += [f"--{k}"] if v is True else [f"--{k}", str(v)]
         return cmd + ["--seed", str(self.seed), "--no-progress", "--out", str(self.out)]
 
     def shell(self) -> str:

@@ -77,6 +77,19 @@ WORKER = textwrap.dedent('''
     res["clan_is_lans"] = torch.tensor(isinstance(opt, LANS))
     res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
+    for codec in ("onebit", "none"):
+        model = net(3)
+        opt = gp.CLAN([(f"clanm_{codec}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
+                      warmup_steps=1, min_compress_bytes=0, compression=codec,
+                      communicate="momentum")
+        for step in range(3):
+            opt.zero_grad()
+            x, y = data(step, r)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        res[f"clanm_{codec}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        res[f"clanm_{codec}_active"] = torch.tensor(opt.compression_active)
     # 3. gradient accumulation: one push_pull per parameter per step, not per backward pass
     model = net(3)
     opt = gp.DistributedOptimizer(sgd(model), named_parameters=[
@@ -172,6 +185,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
         assert torch.isfinite(w0[spec]).all() and not torch.equal(w0[spec], w0["none"]), spec
     assert bool(w0["clan_is_lans"]) and torch.isfinite(w0["clan"]).all()
     assert int(w0["clan_freeze"]) == 1   # v frozen when compression starts
+    assert bool(w0["clanm_onebit_active"]) and torch.isfinite(w0["clanm_onebit"]).all()
+    assert not torch.equal(w0["clanm_onebit"], w0["clanm_none"])  # the momentum was compressed
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
@@ -183,6 +198,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kw, err, words", [
     ({"freeze_variance": True, "warmup_steps": 0}, ValueError, ["warmup_steps >= 1", "0"]),
     ({"freeze_variance": "yes"}, TypeError, ["freeze_variance must be a bool", "'yes'"]),
+    ({"communicate": "grads"}, ValueError, ["communicate must be one of", "'grads'"]),
+    ({"communicate": "momentum", "warmup_steps": 0}, ValueError, ["warmup_steps >= 1"]),
+    ({"communicate": "momentum", "compression": "sign"}, ValueError, ["sign"]),
 ])
 def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradpress.optim import CLAN_REFERENCE_LR, LAMB, LANS, OneBitAdam, _common, clan
+from gradpress.optim import CLAN_REFERENCE_LR, LAMB, LANS, OneBitAdam, OneBitLANS, _common, clan
 
 SHAPES = [(5, 3), (7,), (4, 2, 2), (3,)]
 
@@ -335,6 +335,117 @@ def test_onebit_adam_communicate_checks():
         run(opt, params, make_grads(steps=1))
 
 
+# -- OneBitLANS ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_onebit_lans_warmup_equals_lans(normalize):
+    a, b = make_params(torch.float32), make_params(torch.float32)
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, normalize_grad=normalize, freeze_step=4)
+    ref = LANS(b, lr=0.01, weight_decay=0.01, normalize_grad=normalize)
+    seq = make_grads(steps=4)
+    run(ours, a, seq)
+    run(ref, b, seq)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)                # the warm-up is LANS itself, same kernels
+    assert ours.compression_active
+
+
+@pytest.mark.parametrize("precondition", [True, False])
+@pytest.mark.parametrize("blend", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_onebit_lans_compression_stage(normalize, blend, precondition):
+    params = make_params()
+    calls = []
+
+    def communicate(key, m):
+        calls.append((key, m.clone()))
+        return 0.5 * m          # "average" with a worker whose momentum is 0
+
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, freeze_step=2,
+                     normalize_grad=normalize, communicate=communicate, blend=blend,
+                     precondition=precondition)
+    seq = make_grads(steps=3)
+    run(opt, params, seq[:2])
+    assert opt.compression_active and not calls
+    v_frozen = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    m_prev = [opt.state[p]["exp_avg"].clone() for p in params]
+    x_prev = [p.detach().clone() for p in params]
+    run(opt, params, seq[2:])
+    assert [k for k, _ in calls] == ["0", "2", "3"]
+    for (_key, m_sent), i in zip(calls, [0, 2, 3]):
+        g = seq[2][i] / seq[2][i].norm() if normalize else seq[2][i]
+        # What travels: the local momentum, divided by the frozen d = sqrt(v) + eps*sqrt(1-b2^2).
+        d = v_frozen[i].sqrt() + 1e-6 * (1 - 0.99 ** 2) ** 0.5 if precondition else 1.0
+        torch.testing.assert_close(m_sent, (0.9 * m_prev[i] + 0.1 * g) / d)
+        p, st = params[i], opt.state[params[i]]
+        assert torch.equal(st["exp_avg_sq"], v_frozen[i])                 # variance frozen
+        mh = st["exp_avg"] / (1 - 0.9 ** 3)
+        vh = v_frozen[i] / (1 - 0.99 ** 2)                                # frozen correction
+        r = mh / (vh.sqrt() + 1e-6) + 0.01 * x_prev[i]
+        if blend:       # LANS's step 7 with the gradient recovered from the momenta
+            gh = (st["exp_avg"] - 0.9 * m_prev[i]) / 0.1
+            c = gh / (vh.sqrt() + 1e-6) + 0.01 * x_prev[i]
+            xn = x_prev[i].norm()
+            want = x_prev[i] - 0.01 * 0.9 * (xn / r.norm()) * r - 0.01 * 0.1 * (xn / c.norm()) * c
+        else:           # LAMB-style step
+            want = x_prev[i] - 0.01 * (x_prev[i].norm() / r.norm()) * r
+        torch.testing.assert_close(p.detach(), want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(params[1].detach(), x_prev[1])                     # no gradient: no step
+
+
+def test_onebit_lans_checks():
+    with pytest.raises(ValueError, match="freeze_step"):
+        OneBitLANS(make_params(), freeze_step=0)
+    with pytest.raises(ValueError, match="freeze_step"):
+        OneBitLANS(make_params(), freeze_step=None)
+    with pytest.raises(TypeError, match="communicate"):
+        OneBitLANS(make_params(), communicate="no")
+    with pytest.raises(TypeError, match="blend"):
+        OneBitLANS(make_params(), blend=1)
+    with pytest.raises(ValueError, match="sends must be one of momentum, gradient, got 'm'"):
+        OneBitLANS(make_params(), sends="m")
+    params = make_params()
+    opt = OneBitLANS(params, freeze_step=1, communicate=lambda key, m: m[:1])
+    run(opt, params, make_grads(steps=1))
+    with pytest.raises(TypeError, match="shape"):
+        run(opt, params, make_grads(steps=1))
+
+
+def test_onebit_lans_sends_gradient():
+    params = make_params()
+    calls = []
+
+    def communicate(key, t):
+        calls.append(t.clone())
+        return 0.5 * t
+
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), freeze_step=2, sends="gradient",
+                     normalize_grad=False, communicate=communicate)
+    seq = make_grads(steps=3)
+    run(opt, params, seq[:2])
+    v = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    m_prev = [opt.state[p]["exp_avg"].clone() for p in params]
+    run(opt, params, seq[2:])
+    for t, i in zip(calls, [0, 2, 3]):
+        d = v[i].sqrt() + 1e-6 * (1 - 0.99 ** 2) ** 0.5
+        torch.testing.assert_close(t, seq[2][i] / d)                  # the gradient travels
+        torch.testing.assert_close(opt.state[params[i]]["exp_avg"],
+                                   0.9 * m_prev[i] + 0.1 * 0.5 * seq[2][i])
+
+
+@pytest.mark.parametrize("sends", ["momentum", "gradient"])
+def test_onebit_lans_blend_lossless_equals_frozen_lans(sends):
+    # With exact communication the recovered gradient is the gradient: the blend step equals
+    # LANS with v frozen at the same step.
+    a, b = make_params(), make_params()
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, sends=sends)
+    ref = LANS(b, lr=0.01, weight_decay=0.01, freeze_step=2, fused=False)
+    seq = make_grads(steps=5)
+    run(ours, a, seq)
+    run(ref, b, seq)
+    assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
+
+
 # -- state_dict and validation -------------------------------------------------------------------
 
 @pytest.mark.parametrize("factory", [
@@ -342,7 +453,8 @@ def test_onebit_adam_communicate_checks():
     lambda ps: clan(ps, lr=0.01),
     lambda ps: LAMB(ps, lr=0.01),
     lambda ps: OneBitAdam(ps, lr=0.01, weight_decay=0.01, freeze_step=3),
-], ids=["lans", "clan", "lamb", "onebit_adam"])
+    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2),
+], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans"])
 def test_state_dict_round_trip_continues_identically(factory):
     seq = make_grads(steps=6)
     a = make_params(torch.float32)
@@ -356,7 +468,7 @@ def test_state_dict_round_trip_continues_identically(factory):
     run(opt_b, b, seq[3:])
     for x, y in zip(a, b):
         assert torch.equal(x, y)
-    if isinstance(opt_b, OneBitAdam):
+    if isinstance(opt_b, (OneBitAdam, OneBitLANS)):
         assert opt_b.compression_active
 
 
@@ -372,7 +484,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("cls", [LANS, LAMB, OneBitAdam, clan])
+@pytest.mark.parametrize("cls", [LANS, LAMB, OneBitAdam, OneBitLANS, clan])
 @pytest.mark.parametrize("kwargs,name", BAD)
 def test_invalid_hyperparameters_raise(cls, kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -57,6 +57,10 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"optimizer": "adam", "freeze_step": 5}, ["TrainConfig.freeze_step", "clan, lans", "'adam'"]),
     ({"beta2": 1.0}, ["TrainConfig.beta2", ">= 0.0 and < 1.0"]),
     ({"optimizer": "sgd-ef", "beta2": 0.99}, ["TrainConfig.beta2", "Adam-family", "'sgd-ef'"]),
+    ({"optimizer": "clan", "blend": False}, ["TrainConfig.blend=False", "onebit-lans", "'clan'"]),
+    ({"optimizer": "onebit-lans", "precondition": 1}, ["TrainConfig.precondition", "bool"]),
+    ({"optimizer": "onebit-lans", "uncompressed_steps": 5}, ["uncompressed_steps",
+                                                            "'onebit-lans'"]),
 ])
 def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
     base = {"task": "digits-cnn"}

@@ -15,8 +15,9 @@ from typing import Any
 from .lamb import LAMB
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam
+from .onebit_lans import OneBitLANS
 
-__all__ = ["LANS", "LAMB", "OneBitAdam", "Communicate", "clan", "CLAN_REFERENCE_LR"]
+__all__ = ["LANS", "LAMB", "OneBitAdam", "OneBitLANS", "Communicate", "clan", "CLAN_REFERENCE_LR"]
 
 #: The paper's learning rates for BERT-base at total batch 2k (Zhong et al. 2021, phase 1).
 CLAN_REFERENCE_LR = {

@@ -48,6 +48,7 @@ _LR_ALIASES = {
     "sgdm": "sgd",
     "ef_sgdm": "sgd",
     "clan": "lans",
+    "onebit_lans": "lans",
 }
 
 

@@ -29,11 +29,15 @@ from typing import Any
 
 import torch
 
-from ..compress.spec import CodecSpec
+from ..compress.spec import CodecSpec, parse_spec
+from ..optim import OneBitLANS
 from ..optim import clan as clan_optimizer
 from .optimizer import DistributedOptimizer
 
 __all__ = ["CLAN"]
+
+#: What ``gp.CLAN`` compresses after its warm-up.
+COMMUNICATES = ("gradient", "momentum")
 
 #: Uncompressed warm-up steps chosen by the 3-seed runs in docs/convergence.md (50 was enough
 #: for onebit at 200 steps; top-k 0.1% and 400-step runs needed 100).
@@ -46,7 +50,8 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
          weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999),
          eps: float = 1e-6, freeze_variance: bool = False,
          min_compress_bytes: int | None = 1 << 20,
-         backward_passes_per_step: int = 1, nan_policy: str = "raise") -> torch.optim.Optimizer:
+         backward_passes_per_step: int = 1, nan_policy: str = "raise",
+         communicate: str = "gradient") -> torch.optim.Optimizer:
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
     Args:
@@ -69,13 +74,27 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             ``docs/convergence.md`` for what it did on stdlib-mlm.
         min_compress_bytes: tensors smaller than this travel uncompressed and exact.
         backward_passes_per_step, nan_policy: as in :func:`DistributedOptimizer`.
+        communicate: ``"gradient"`` (the paper's CLAN: the two-way compressed gradient drives
+            LANS without gradient normalisation) or ``"momentum"`` (1-bit LANS,
+            :class:`gradpress.optim.OneBitLANS`: LANS proper on the dense gradient for
+            ``warmup_steps`` steps, then the second moment frozen and each worker's momentum,
+            divided by the frozen ``sqrt(v)+eps``, compressed two-way with error feedback).
+            ``freeze_variance`` is implied by ``"momentum"``.
     """
     if not isinstance(freeze_variance, bool):
         raise TypeError(f"freeze_variance must be a bool, got {freeze_variance!r}")
-    if freeze_variance and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
-        raise ValueError(f"freeze_variance=True needs warmup_steps >= 1 (the second moment is "
-                         f"frozen when compression starts), got warmup_steps={warmup_steps!r}")
+    if communicate not in COMMUNICATES:
+        raise ValueError(f"communicate must be one of {', '.join(COMMUNICATES)}, got "
+                         f"{communicate!r}")
+    freezes = freeze_variance or communicate == "momentum"
+    if freezes and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
+        raise ValueError(f"freeze_variance=True or communicate='momentum' needs warmup_steps "
+                         f">= 1 (the second moment is frozen when compression starts), got "
+                         f"warmup_steps={warmup_steps!r}")
     named = list(named_parameters)
+    if communicate == "momentum":
+        return _momentum_clan(named, lr, compression, ef, warmup_steps, weight_decay, betas, eps,
+                              min_compress_bytes, backward_passes_per_step, nan_policy)
     opt = clan_optimizer([p for _, p in named], lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay,
                          freeze_step=warmup_steps if freeze_variance else None)
@@ -83,3 +102,31 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
                                 min_compress_bytes=min_compress_bytes,
                                 backward_passes_per_step=backward_passes_per_step,
                                 nan_policy=nan_policy, warmup_steps=warmup_steps)
+
+
+def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
+                   compression: str | Mapping[str, Any] | CodecSpec, ef: str, warmup_steps: int,
+                   weight_decay: float, betas: tuple[float, float], eps: float,
+                   min_compress_bytes: int | None, backward_passes_per_step: int,
+                   nan_policy: str) -> torch.optim.Optimizer:
+    """``communicate="momentum"``: OneBitLANS whose compression stage push_pulls momenta."""
+    from ..api import push_pull_async
+    from ..compress import build
+
+    cs = parse_spec(compression)  # checked now, not when the warm-up ends
+    spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": ef})
+    build(spec, 4096)
+    prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
+
+    def communicate(key: str, m: torch.Tensor) -> Any:
+        return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
+                               compression=spec, min_compress_bytes=min_compress_bytes)
+
+    opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
+                     weight_decay=weight_decay, freeze_step=warmup_steps,
+                     communicate=communicate)
+    # The wrapper averages dense gradients during the warm-up and stops once the optimizer's
+    # compression_active turns true (it communicates momenta from then on).
+    return DistributedOptimizer(opt, named_parameters=named, compression="none",
+                                backward_passes_per_step=backward_passes_per_step,
+                                nan_policy=nan_policy)

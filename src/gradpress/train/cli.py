@@ -85,8 +85,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     a("--schedule", default="cosine", metavar="KIND",
       help=f"lr schedule after warm-up: {', '.join(SCHEDULES)} (default cosine)")
     a("--freeze-step", type=int,
-      help="onebit-adam warm-up steps (default 20%% of the run); clan/lans: freeze the second "
-           "moment after N steps (default never)")
+      help="onebit-adam/onebit-lans warm-up steps (default 20%% of the run); clan/lans: freeze "
+           "the second moment after N steps (default never)")
+    a("--no-blend", action="store_true",
+      help="onebit-lans: after the warm-up, step along the momentum only (no LANS blend)")
+    a("--no-precondition", action="store_true",
+      help="onebit-lans: compress the momentum itself, not divided by sqrt(v)")
+    a("--sends", default="momentum", metavar="WHAT",
+      help="onebit-lans: what travels after the warm-up, momentum or gradient (momentum)")
     a("--uncompressed-steps", type=int,
       help="first N steps send uncompressed gradients (default: the optimizer's, "
            "docs/convergence.md)")
@@ -117,6 +123,8 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, steps=args.steps,
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,
+        blend=not args.no_blend, precondition=not args.no_precondition,
+        sends=args.sends,
         uncompressed_steps=args.uncompressed_steps,
         momentum=args.momentum, beta2=args.beta2, min_compress_bytes=args.min_compress_bytes,
         eval_every=args.eval_every, seed=args.seed, out=args.out,

@@ -19,7 +19,12 @@ __all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES",
            "DEFAULT_UNCOMPRESSED_STEPS"]
 
 #: ``--optimizer`` choices; see :mod:`gradpress.train.session` for what each one builds.
-OPTIMIZERS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam")
+OPTIMIZERS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam", "onebit-lans")
+#: Optimizers without ``uncompressed_steps``: ``sgd-ef`` compresses from the first step, the
+#: 1-bit ones warm up densely for ``freeze_step`` steps and then communicate their momentum.
+NO_UNCOMPRESSED_STEPS = ("sgd-ef", "onebit-adam", "onebit-lans")
+#: Optimizers that take ``freeze_step``.
+FREEZING = ("clan", "lans", "onebit-adam", "onebit-lans")
 #: ``--ef`` choices (``none``: no error feedback).
 EF_CHOICES = ("vanilla", "corrected", "sparse", "none")
 #: Default uncompressed warm-up steps per optimizer. CLAN: 50 (stdlib-mlm, onebit, 200 steps:
@@ -79,7 +84,7 @@ class TrainConfig:
     #: Parameter-server processes.
     servers: int = 1
     #: Codec spec of the gradients (``onebit``, ``topk:k=0.001,values=fp16``, ...); for
-    #: ``onebit-adam`` the codec of the momentum after warm-up.
+    #: ``onebit-adam``/``onebit-lans`` the codec of the momentum after warm-up.
     compression: str = "none"
     #: Error feedback on workers and servers: ``vanilla``, ``corrected``, ``sparse``
     #: (randomk only) or ``none``. Ignored when ``compression`` is ``none``.
@@ -101,13 +106,23 @@ class TrainConfig:
     warmup_steps: int | None = None
     #: Schedule after warm-up: ``constant``, ``cosine`` (to 0) or ``linear`` (to 0).
     schedule: str = "cosine"
-    #: 1-bit Adam's uncompressed warm-up steps; None: 20% of the run (DeepSpeed uses 15-25%).
+    #: 1-bit Adam's and 1-bit LANS's uncompressed warm-up steps; None: 20% of the run
+    #: (DeepSpeed uses 15-25%).
     #: With ``clan``/``lans``: freeze the second moment after this many steps (None: never;
     #: usually equal to ``uncompressed_steps``).
     freeze_step: int | None = None
+    #: ``onebit-lans``: keep LANS's instant-gradient direction after the warm-up, from the
+    #: averaged momenta (``OneBitLANS(blend=)``); False: the momentum direction alone.
+    blend: bool = True
+    #: ``onebit-lans``: communicate the momentum divided by the frozen ``sqrt(v)+eps``
+    #: (``OneBitLANS(precondition=)``); False: the momentum itself, as 1-bit Adam.
+    precondition: bool = True
+    #: ``onebit-lans``: what travels after the warm-up, ``momentum`` or ``gradient``
+    #: (``OneBitLANS(sends=)``).
+    sends: str = "momentum"
     #: First steps whose gradients travel uncompressed (``DistributedOptimizer(warmup_steps=)``);
     #: None: :data:`DEFAULT_UNCOMPRESSED_STEPS` of the optimizer (0 if absent). Not for
-    #: ``sgd-ef`` and ``onebit-adam`` (the latter has ``freeze_step``).
+    #: ``sgd-ef``, ``onebit-adam`` and ``onebit-lans`` (the last two have ``freeze_step``).
     uncompressed_steps: int | None = None
     #: Momentum coefficient of ``sgd-ef`` (applied before compression); None: the task's.
     momentum: float | None = None
@@ -135,13 +150,26 @@ class TrainConfig:
             _positive_int(self, name)
         _positive_int(self, "warmup_steps", lo=0)
         _positive_int(self, "uncompressed_steps", lo=0)
-        if self.uncompressed_steps and self.optimizer in ("sgd-ef", "onebit-adam"):
+        if self.uncompressed_steps and self.optimizer in NO_UNCOMPRESSED_STEPS:
             raise ValueError(f"TrainConfig.uncompressed_steps is for gradient-compressing "
                              f"optimizers (clan, lans, lamb, adam), got "
                              f"{self.uncompressed_steps} with optimizer {self.optimizer!r}")
-        if self.freeze_step is not None and self.optimizer not in ("clan", "lans", "onebit-adam"):
-            raise ValueError(f"TrainConfig.freeze_step is for clan, lans and onebit-adam, got "
+        if self.freeze_step is not None and self.optimizer not in FREEZING:
+            raise ValueError(f"TrainConfig.freeze_step is for {', '.join(FREEZING)}, got "
                              f"{self.freeze_step} with optimizer {self.optimizer!r}")
+        for name in ("blend", "precondition"):
+            flag = getattr(self, name)
+            if not isinstance(flag, bool):
+                raise ValueError(f"TrainConfig.{name} must be a bool, got {flag!r}")
+            if not flag and self.optimizer != "onebit-lans":
+                raise ValueError(f"TrainConfig.{name}=False is for onebit-lans, got optimizer "
+                                 f"{self.optimizer!r}")
+        if self.sends not in ("momentum", "gradient"):
+            raise ValueError(f"TrainConfig.sends must be momentum or gradient, got "
+                             f"{self.sends!r}")
+        if self.sends != "momentum" and self.optimizer != "onebit-lans":
+            raise ValueError(f"TrainConfig.sends={self.sends!r} is for onebit-lans, got "
+                             f"optimizer {self.optimizer!r}")
         _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
         _number(self, "lr", 0.0, strict=True)

@@ -30,6 +30,8 @@ Optimizer mapping (``--optimizer``):
    warm-up (``DistributedOptimizer(compression="none")``), then the optimizer communicates its
    momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops pushing gradients
    once ``compression_active`` is true).
+4. ``onebit-lans``: :class:`gradpress.optim.OneBitLANS` (LANS with gradient normalisation),
+   driven like ``onebit-adam``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import DEFAULT_UNCOMPRESSED_STEPS, TrainConfig
+from .config import DEFAULT_UNCOMPRESSED_STEPS, NO_UNCOMPRESSED_STEPS, TrainConfig
 from .report import MetricsWriter
 
 __all__ = ["Session", "CONFIG_ENV", "STAGES", "resolve_hparams", "codec_ratios"]
@@ -63,8 +65,8 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
                     ) -> dict[str, Any]:
     """The effective hyperparameters: ``cfg``'s, else the task's defaults (script mode: fixed
     fallbacks; ``lr`` is required there)."""
-    family = "adam" if cfg.optimizer == "onebit-adam" else \
-        "sgd" if cfg.optimizer == "sgd-ef" else cfg.optimizer
+    family = {"onebit-adam": "adam", "onebit-lans": "lans", "sgd-ef": "sgd"}.get(
+        cfg.optimizer, cfg.optimizer)
     if cfg.lr is None and defaults is None:
         raise ValueError("TrainConfig.lr is required without a bundled task (give --lr)")
     hp = {
@@ -74,12 +76,12 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None), 0.9),
         "schedule": cfg.schedule, "total_steps": total_steps,
     }
-    if cfg.optimizer not in ("sgd-ef", "onebit-adam"):
+    if cfg.optimizer not in NO_UNCOMPRESSED_STEPS:
         hp["uncompressed_steps"] = _first(cfg.uncompressed_steps,
                                           DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
     if cfg.optimizer != "sgd-ef":
         hp["betas"] = (0.9, _first(cfg.beta2, 0.999))
-    if cfg.optimizer == "onebit-adam":
+    if cfg.optimizer in ("onebit-adam", "onebit-lans"):
         hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
     elif cfg.optimizer in ("clan", "lans"):
         hp["freeze_step"] = cfg.freeze_step
@@ -194,7 +196,7 @@ class Session:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``."""
         import gradpress as gp
-        from gradpress.optim import LAMB, LANS, OneBitAdam, clan
+        from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS, clan
 
         cfg, hp = self.cfg, self.hparams
         self._named = [(f"{cfg.name}.{n}", p) for n, p in model.named_parameters()
@@ -221,9 +223,14 @@ class Session:
             else:  # uncompressed: torch's Nesterov momentum is the same update
                 opt = torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=mu,
                                       nesterov=mu > 0)
+        elif cfg.optimizer == "onebit-lans":
+            opt = OneBitLANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
+                             freeze_step=hp["freeze_step"], blend=cfg.blend,
+                             precondition=cfg.precondition, sends=cfg.sends)
         else:
             opt = OneBitAdam(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"])
+        if cfg.optimizer in ("onebit-adam", "onebit-lans"):
             opt.communicate = self._communicate_momentum
             wrap = {"compression": "none"}
         for g in opt.param_groups:

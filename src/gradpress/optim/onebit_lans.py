@@ -1,0 +1,218 @@
+"""1-bit LANS: LANS with a dense warm-up, then frozen variance and communicated momentum.
+
+The 1-bit Adam recipe (Tang et al., ICML 2021, arXiv:2102.02888; :class:`OneBitAdam`) applied to
+LANS (Zheng et al. 2020, arXiv:2006.13484), in the way DeepSpeed's 1-bit LAMB (Li et al. 2021,
+arXiv:2104.06069) applies it to LAMB: what travels compressed after the warm-up is each worker's
+momentum, not its gradient. It is the "compress the momentum instead of the gradient" remedy of
+CLAN's transformer gap (``docs/convergence.md``), available as ``gp.CLAN(communicate="momentum")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ._common import (
+    Bucket,
+    adam_denominators,
+    direction,
+    moments_,
+    norms,
+    scaled_by,
+    trust_ratios,
+)
+from .lans import LANS
+from .onebit_adam import Communicate, OneBitAdam, _split
+
+__all__ = ["OneBitLANS", "SENDS"]
+
+#: What :class:`OneBitLANS` communicates in its compression stage.
+SENDS = ("momentum", "gradient")
+
+
+class OneBitLANS(LANS):
+    r"""1-bit LANS, single-process core (the distributed layer supplies ``communicate``).
+
+    Per parameter tensor ``x`` at its step ``t`` with ``g = p.grad``:
+
+    1. Warm-up, ``t <= freeze_step``: a :class:`LANS` step (steps 1-7 there, ``normalize_grad``
+       as configured) on ``g``, which the caller averaged over workers *uncompressed*.
+    2. Compression stage, ``t > freeze_step``: ``g`` is the worker's *local* gradient, divided by
+       its norm if ``normalize_grad``; ``v`` is frozen with its bias correction
+       ``1-b2^freeze_step``; the local momentum ``m = b1*m + (1-b1)*g`` is replaced by
+       ``communicate(key, m)``, the average of all workers' momenta (compressed by the
+       distributed layer with worker and server error feedback; None: identity).
+    3. Compression-stage update: ``r = mh/(sqrt(vh)+eps) + wd*x`` with ``mh = m/(1-b1^t)``
+       and ``q_r = ||x||/||r||`` (1 where a norm is 0, clamped to the trust bounds).
+       With ``blend`` (LANS's Nesterov-style part), the averaged gradient that no longer
+       travels is recovered from two consecutive averaged momenta,
+       ``gh = (m - b1*m_prev)/(1-b1)`` (exact for a lossless codec), and the update is LANS's
+       step 7 with it: ``c = gh/(sqrt(vh)+eps) + wd*x``, ``q_c = ||x||/||c||``,
+       ``x = x - lr*b1*q_r*r - lr*(1-b1)*q_c*c``. Without ``blend``:
+       ``x = x - lr*q_r*r`` (LAMB's update, as in 1-bit LAMB); the total step is ``lr*||x||``
+       either way.
+
+    Tuning advice:
+
+    * ``freeze_step``: the dense warm-up, long enough for ``v`` to settle and for the model to
+      leave the fast early phase: 1-bit Adam uses 15-25% of the run. Must be >= 1.
+    * ``lr``: LANS's rate (a relative step per layer); keep the uncompressed run's schedule.
+    * ``normalize_grad``: True (LANS proper, the default here) normalises each worker's local
+      gradient per layer before it enters the momentum, so ``v`` (frozen from normalised
+      gradients) and ``m`` stay on the same scale; False gives CLAN's unnormalised gradient.
+    * ``betas``: ``(0.9, 0.999)``; a high ``b1`` averages the momentum's compression error out.
+    * ``precondition``: True compresses ``m/d`` instead of ``m``. A one-bit or top-k codec
+      treats all elements of a chunk alike; on ``m`` that error is then divided by ``d``, so
+      elements with a tiny second moment get huge, wrong steps, inflate ``||r||`` and shrink
+      every other element's step through the trust ratio. On ``m/d`` the error is spread
+      evenly over the update itself. The two are the same with a lossless codec.
+    * ``sends``: ``"momentum"`` (1-bit Adam's choice: the momentum is smoother than the
+      gradient) or ``"gradient"`` (CLAN's: the codec's error enters the momentum with weight
+      ``1-b1`` instead of 1; with ``v`` frozen it no longer reaches the second moment).
+    * ``blend``: True keeps LANS's update after the warm-up; ``gh`` carries the codec's error of
+      one step amplified by ``1/(1-b1)`` (error feedback cancels it over the next steps), which
+      its trust ratio ``q_c`` then damps. False uses the momentum direction alone.
+    * ``eps``, ``weight_decay``, ``min_trust``, ``max_trust``: as :class:`LANS`.
+
+    Recipe (the same as :class:`OneBitAdam`): while :attr:`compression_active` is False the caller
+    averages gradients uncompressed into ``p.grad``; once True it leaves the local gradient there
+    and ``communicate`` must do a compressed push_pull of the momentum. ``key`` is the
+    parameter's position in the flat order of ``param_groups`` (the ids of ``state_dict()``).
+
+    Args:
+        params: iterable of parameters or of param-group dicts (torch semantics).
+        lr, betas, eps, weight_decay, normalize_grad, min_trust, max_trust, fused: as
+            :class:`LANS` (``fused`` applies to the warm-up steps; the compression stage runs
+            torch's foreach ops).
+        freeze_step: number of warm-up steps, an int >= 1.
+        blend: keep LANS's instant-gradient direction after the warm-up (step 3).
+        precondition: communicate the momentum (or gradient) divided by ``d`` (step 2).
+        sends: ``"momentum"`` or ``"gradient"`` (step 2).
+        communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
+            tensor or a handle with ``wait()``); None means identity.
+
+    Raises:
+        ValueError: a hyperparameter is out of range (the message names it).
+        TypeError: ``communicate`` is not callable, a flag is not a bool, or a gradient is
+            sparse.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, normalize_grad: bool = True,
+                 min_trust: float | None = None, max_trust: float | None = None,
+                 fused: bool | None = None, freeze_step: int = 100,
+                 communicate: Communicate | None = None, blend: bool = True,
+                 precondition: bool = True, sends: str = "momentum") -> None:
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+        for name, flag in (("blend", blend), ("precondition", precondition)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if sends not in SENDS:
+            raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
+        self.blend, self.precondition, self.sends = blend, precondition, sends
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         normalize_grad=normalize_grad, min_trust=min_trust,
+                         max_trust=max_trust, fused=fused, freeze_step=freeze_step)
+        self.communicate = communicate
+
+    communicate = OneBitAdam.communicate
+    compression_active = OneBitAdam.compression_active
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group["freeze_step"] is None:
+            raise ValueError("freeze_step must be an int >= 1 for OneBitLANS, got None")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Perform one optimization step; ``closure`` re-evaluates the model, returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stages = []
+        for b, group in self._bucketed():
+            warm, comp = _split(b, group["freeze_step"])
+            if warm.params:
+                # Step 1: a LANS step on the (uncompressed-averaged) gradient.
+                self._update(warm, group)
+            if comp.params:
+                # Step 2: launch every communication of the step before waiting for any.
+                stages.append((comp, group) + self._send(comp, group))
+        for b, group, pending, prev, d in stages:
+            got = self._receive(b, pending)
+            if d is not None:
+                got = torch._foreach_mul(got, d)        # back from x/d to x
+            if self.sends == "momentum":
+                for m, avg in zip(b.exp_avgs, got):
+                    if avg is not m:
+                        m.copy_(avg)
+            else:
+                moments_(b, got, *group["betas"], update_variance=False)
+            self._momentum_update(b, group, prev)
+        return loss
+
+    def _send(self, b: Bucket, group: dict[str, Any]) -> tuple[list[Any], Any, Any]:
+        """Step 2 up to the communication: returns (pending, b1*m_prev or None, d or None)."""
+        beta1, beta2 = group["betas"]
+        g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
+        prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend else None
+        if self.sends == "momentum":
+            moments_(b, g, beta1, beta2, update_variance=False)   # local momentum, v frozen
+            src = b.exp_avgs
+        else:
+            src = g
+        d = self._frozen_d(b, group)
+        sent = torch._foreach_div(src, d) if d is not None else src
+        if self._communicate is None:
+            return list(sent), prev, d
+        return [self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, d
+
+    @staticmethod
+    def _receive(b: Bucket, pending: list[Any]) -> list[torch.Tensor]:
+        """Wait for the averaged tensors, checking their shapes."""
+        out = []
+        for i, (m, res) in enumerate(zip(b.exp_avgs, pending)):
+            avg = res.wait() if hasattr(res, "wait") else res
+            if not isinstance(avg, torch.Tensor) or avg.shape != m.shape:
+                got = tuple(avg.shape) if isinstance(avg, torch.Tensor) else type(avg).__name__
+                raise TypeError(f"communicate for parameter {b.indices[i]} must return a tensor "
+                                f"of shape {tuple(m.shape)}, got {got}")
+            out.append(avg)
+        return out
+
+    def _frozen_d(self, b: Bucket, group: dict[str, Any]) -> list[torch.Tensor] | None:
+        """The constant ``d = sqrt(v) + eps*s`` of the frozen stage (None: no preconditioning)."""
+        if not self.precondition:
+            return None
+        return adam_denominators(b, group["betas"][1], group["eps"],
+                                 freeze_step=group["freeze_step"])[0]
+
+    @staticmethod
+    def _momentum_update(b: Bucket, group: dict[str, Any],
+                         prev: list[torch.Tensor] | None) -> None:
+        """Step 3 with v frozen; ``prev`` is ``b1*m_prev`` (blend) or None (momentum only)."""
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        d, s = adam_denominators(b, beta2, group["eps"], freeze_step=group["freeze_step"])
+        r = direction(b.exp_avgs, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
+                      b.params, wd)
+        c = None
+        if prev is not None:
+            # gh = (m - b1*m_prev)/(1-b1): the averaged gradient, recovered from the momenta.
+            gh = torch._foreach_sub(b.exp_avgs, prev)
+            c = direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
+        del d
+        xn = norms(b.params)
+        dtype = b.params[0].dtype
+        q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
+        if c is None:
+            torch._foreach_addcmul_(b.params, r, scaled_by(q_r, -lr, dtype))
+            return
+        q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
+        torch._foreach_addcmul_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
+        torch._foreach_addcmul_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))
