@@ -54,6 +54,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "noprec": {"args": {"no-precondition": True}},
     "sendgrad": {"args": {"sends": "gradient"}},
     "noblend-noprec": {"args": {"no-blend": True, "no-precondition": True}},
+    "ef21": {"args": {"ef": "ef21"}},
+    "ef21-noblend": {"args": {"ef": "ef21", "no-blend": True}},
     "freeze100": {"args": {"freeze-step": 100}},
     "freeze320": {"args": {"freeze-step": 320}},
     "warmup50": {"args": {"uncompressed-steps": 50}},

@@ -78,18 +78,19 @@ WORKER = textwrap.dedent('''
     res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
-    for codec in ("onebit", "none"):
+    for codec, ef in (("onebit", "vanilla"), ("none", "vanilla"), ("onebit", "ef21")):
         model = net(3)
-        opt = gp.CLAN([(f"clanm_{codec}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                      warmup_steps=1, min_compress_bytes=0, compression=codec,
+        key = codec if ef == "vanilla" else f"{codec}_{ef}"
+        opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
+                      warmup_steps=1, min_compress_bytes=0, compression=codec, ef=ef,
                       communicate="momentum")
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        res[f"clanm_{codec}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        res[f"clanm_{codec}_active"] = torch.tensor(opt.compression_active)
+        res[f"clanm_{key}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        res[f"clanm_{key}_active"] = torch.tensor(opt.compression_active)
     # 3. gradient accumulation: one push_pull per parameter per step, not per backward pass
     model = net(3)
     opt = gp.DistributedOptimizer(sgd(model), named_parameters=[
@@ -187,6 +188,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert int(w0["clan_freeze"]) == 1   # v frozen when compression starts
     assert bool(w0["clanm_onebit_active"]) and torch.isfinite(w0["clanm_onebit"]).all()
     assert not torch.equal(w0["clanm_onebit"], w0["clanm_none"])  # the momentum was compressed
+    assert bool(w0["clanm_onebit_ef21_active"]) and torch.isfinite(w0["clanm_onebit_ef21"]).all()
+    assert not torch.equal(w0["clanm_onebit_ef21"], w0["clanm_onebit"])  # differences travel
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
@@ -201,6 +204,7 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     ({"communicate": "grads"}, ValueError, ["communicate must be one of", "'grads'"]),
     ({"communicate": "momentum", "warmup_steps": 0}, ValueError, ["warmup_steps >= 1"]),
     ({"communicate": "momentum", "compression": "sign"}, ValueError, ["sign"]),
+    ({"ef": "ef21"}, ValueError, ["ef='ef21' needs communicate='momentum'", "'gradient'"]),
 ])
 def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))

@@ -402,6 +402,8 @@ def test_onebit_lans_checks():
         OneBitLANS(make_params(), communicate="no")
     with pytest.raises(TypeError, match="blend"):
         OneBitLANS(make_params(), blend=1)
+    with pytest.raises(TypeError, match="ef21 must be a bool, got 'yes'"):
+        OneBitLANS(make_params(), ef21="yes")
     with pytest.raises(ValueError, match="sends must be one of momentum, gradient, got 'm'"):
         OneBitLANS(make_params(), sends="m")
     params = make_params()
@@ -433,17 +435,72 @@ def test_onebit_lans_sends_gradient():
                                    0.9 * m_prev[i] + 0.1 * 0.5 * seq[2][i])
 
 
+@pytest.mark.parametrize("ef21", [False, True])
 @pytest.mark.parametrize("sends", ["momentum", "gradient"])
-def test_onebit_lans_blend_lossless_equals_frozen_lans(sends):
+def test_onebit_lans_blend_lossless_equals_frozen_lans(sends, ef21):
     # With exact communication the recovered gradient is the gradient: the blend step equals
-    # LANS with v frozen at the same step.
+    # LANS with v frozen at the same step (EF21's estimate is then the average itself).
     a, b = make_params(), make_params()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, sends=sends)
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, sends=sends, ef21=ef21)
     ref = LANS(b, lr=0.01, weight_decay=0.01, freeze_step=2, fused=False)
     seq = make_grads(steps=5)
     run(ours, a, seq)
     run(ref, b, seq)
     assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
+
+
+def test_onebit_lans_ef21_sends_differences_and_keeps_momenta_local():
+    params = make_params()
+    calls = []
+
+    def communicate(key, t):
+        calls.append((key, t.clone()))
+        return 0.5 * t          # "average" with a worker whose difference is 0
+
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), freeze_step=2, ef21=True, blend=False,
+                     communicate=communicate)
+    seq = make_grads(steps=4)
+    run(opt, params, seq[:2])
+    m0 = {i: opt.state[params[i]]["exp_avg"].clone() for i in (0, 2, 3)}
+    v = {i: opt.state[params[i]]["exp_avg_sq"].clone() for i in (0, 2, 3)}
+    run(opt, params, seq[2:3])
+    for key, sent in calls:
+        i = int(key)
+        st = opt.state[params[i]]
+        d = v[i].sqrt() + 1e-6 * (1 - 0.99 ** 2) ** 0.5
+        g = seq[2][i] / seq[2][i].norm()
+        m1 = 0.9 * m0[i] + 0.1 * g
+        # Step 2 (EF21): the estimate starts at the shared momentum / d; the difference travels.
+        torch.testing.assert_close(sent, m1 / d - m0[i] / d)
+        torch.testing.assert_close(st["ef21_estimate"], m0[i] / d + 0.5 * sent)
+        torch.testing.assert_close(st["exp_avg"], m1)   # the local momentum is not replaced
+    calls.clear()
+    run(opt, params, seq[3:])
+    for key, sent in calls:   # the second difference is to the updated estimate
+        st = opt.state[params[int(key)]]
+        d = st["exp_avg_sq"].sqrt() + 1e-6 * (1 - 0.99 ** 2) ** 0.5
+        torch.testing.assert_close(st["ef21_estimate"] - 0.5 * sent + sent, st["exp_avg"] / d)
+
+
+def test_onebit_lans_ef21_estimate_converges_under_a_contractive_codec():
+    # EF21's point: whatever the codec drops stays in the next difference, so with a fixed
+    # gradient the estimate converges to the momentum; a codec without residuals does not.
+    def sign(key, t):
+        return t.abs().mean() * torch.sign(t)
+
+    errs = {}
+    for ef21 in (False, True):
+        params = make_params()
+        opt = OneBitLANS(params, lr=0.0, freeze_step=1, ef21=ef21, communicate=sign,
+                         weight_decay=0.0, precondition=False)
+        fixed = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i),
+                             dtype=p.dtype) for i, p in enumerate(params)]
+        run(opt, params, [fixed] * 120)
+        m = opt.state[params[0]]["exp_avg"]
+        target = fixed[0] / fixed[0].norm()       # the momentum's limit (normalised gradient)
+        got = opt.state[params[0]]["ef21_estimate"] if ef21 else m
+        errs[ef21] = float((got - target).norm() / target.norm())
+    assert errs[True] < 1e-3 < 0.1 < errs[False], errs
 
 
 # -- state_dict and validation -------------------------------------------------------------------
@@ -454,7 +511,9 @@ def test_onebit_lans_blend_lossless_equals_frozen_lans(sends):
     lambda ps: LAMB(ps, lr=0.01),
     lambda ps: OneBitAdam(ps, lr=0.01, weight_decay=0.01, freeze_step=3),
     lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2),
-], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans"])
+    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2, ef21=True,
+                          communicate=lambda key, t: t.abs().mean() * torch.sign(t)),
+], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans", "onebit_lans_ef21"])
 def test_state_dict_round_trip_continues_identically(factory):
     seq = make_grads(steps=6)
     a = make_params(torch.float32)

@@ -59,6 +59,7 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"optimizer": "sgd-ef", "beta2": 0.99}, ["TrainConfig.beta2", "Adam-family", "'sgd-ef'"]),
     ({"optimizer": "clan", "blend": False}, ["TrainConfig.blend=False", "onebit-lans", "'clan'"]),
     ({"optimizer": "onebit-lans", "precondition": 1}, ["TrainConfig.precondition", "bool"]),
+    ({"optimizer": "clan", "ef": "ef21"}, ["TrainConfig.ef='ef21'", "onebit-lans", "'clan'"]),
     ({"optimizer": "onebit-lans", "uncompressed_steps": 5}, ["uncompressed_steps",
                                                             "'onebit-lans'"]),
 ])
@@ -75,6 +76,8 @@ def test_config_round_trip_and_defaults() -> None:
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.effective_ef == "vanilla"
     assert TrainConfig(task="digits-cnn").effective_ef is None  # uncompressed: no residuals
+    assert TrainConfig(task="digits-cnn", compression="onebit", optimizer="onebit-lans",
+                       ef="ef21").effective_ef is None  # the optimizer's estimate is the feedback
     with pytest.raises(ValueError, match="unknown field"):
         TrainConfig.from_dict({"task": "digits-cnn", "lrr": 1})
 

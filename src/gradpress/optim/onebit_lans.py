@@ -44,6 +44,13 @@ class OneBitLANS(LANS):
        ``1-b2^freeze_step``; the local momentum ``m = b1*m + (1-b1)*g`` is replaced by
        ``communicate(key, m)``, the average of all workers' momenta (compressed by the
        distributed layer with worker and server error feedback; None: identity).
+       With ``ef21`` (EF21, Richtarik, Sokolov, Fatkhullin, NeurIPS 2021, arXiv:2106.05203;
+       with momentum: Fatkhullin et al., NeurIPS 2023, arXiv:2305.15155) every worker keeps
+       the same estimate ``h`` of the averaged sent tensor (initialised to the shared momentum
+       when compression starts) and sends only ``sent - h``; the averaged difference ``a``
+       comes back and ``h = h + a`` replaces the average. Whatever a codec drops, on either
+       side, stays in the next difference, so the distributed layer must run *without*
+       residuals (``ef=None``): the estimate is the error feedback.
     3. Compression-stage update: ``r = mh/(sqrt(vh)+eps) + wd*x`` with ``mh = m/(1-b1^t)``
        and ``q_r = ||x||/||r||`` (1 where a norm is 0, clamped to the trust bounds).
        With ``blend`` (LANS's Nesterov-style part), the averaged gradient that no longer
@@ -71,6 +78,10 @@ class OneBitLANS(LANS):
     * ``sends``: ``"momentum"`` (1-bit Adam's choice: the momentum is smoother than the
       gradient) or ``"gradient"`` (CLAN's: the codec's error enters the momentum with weight
       ``1-b1`` instead of 1; with ``v`` frozen it no longer reaches the second moment).
+    * ``ef21``: False (residual error feedback in the codec, as 1-bit Adam); True sends
+      differences to a shared estimate instead. The estimate is dense even when the codec is
+      top-k, so the update is too, and a one-bit codec's error is relative to the change of
+      the momentum in one step (about ``1-b1`` of it), not to the momentum itself.
     * ``blend``: True keeps LANS's update after the warm-up; ``gh`` carries the codec's error of
       one step amplified by ``1/(1-b1)`` (error feedback cancels it over the next steps), which
       its trust ratio ``q_c`` then damps. False uses the momentum direction alone.
@@ -90,6 +101,8 @@ class OneBitLANS(LANS):
         blend: keep LANS's instant-gradient direction after the warm-up (step 3).
         precondition: communicate the momentum (or gradient) divided by ``d`` (step 2).
         sends: ``"momentum"`` or ``"gradient"`` (step 2).
+        ef21: communicate differences to a shared estimate (step 2); the distributed layer's
+            codec must then run without error feedback.
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
 
@@ -105,15 +118,16 @@ class OneBitLANS(LANS):
                  min_trust: float | None = None, max_trust: float | None = None,
                  fused: bool | None = None, freeze_step: int = 100,
                  communicate: Communicate | None = None, blend: bool = True,
-                 precondition: bool = True, sends: str = "momentum") -> None:
+                 precondition: bool = True, sends: str = "momentum",
+                 ef21: bool = False) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-        for name, flag in (("blend", blend), ("precondition", precondition)):
+        for name, flag in (("blend", blend), ("precondition", precondition), ("ef21", ef21)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
-        self.blend, self.precondition, self.sends = blend, precondition, sends
+        self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          normalize_grad=normalize_grad, min_trust=min_trust,
                          max_trust=max_trust, fused=fused, freeze_step=freeze_step)
@@ -143,34 +157,61 @@ class OneBitLANS(LANS):
             if comp.params:
                 # Step 2: launch every communication of the step before waiting for any.
                 stages.append((comp, group) + self._send(comp, group))
-        for b, group, pending, prev, d in stages:
+        for b, group, pending, prev, d, est in stages:
             got = self._receive(b, pending)
+            if est is not None:
+                torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
+                got = est
             if d is not None:
                 got = torch._foreach_mul(got, d)        # back from x/d to x
-            if self.sends == "momentum":
+            mom = b.exp_avgs
+            if self.sends == "gradient":
+                moments_(b, got, *group["betas"], update_variance=False)
+            elif est is not None:
+                mom = got      # EF21: the momenta stay local; step along the shared estimate
+            else:
                 for m, avg in zip(b.exp_avgs, got):
                     if avg is not m:
                         m.copy_(avg)
-            else:
-                moments_(b, got, *group["betas"], update_variance=False)
-            self._momentum_update(b, group, prev)
+            self._momentum_update(b, group, prev, mom)
         return loss
 
-    def _send(self, b: Bucket, group: dict[str, Any]) -> tuple[list[Any], Any, Any]:
-        """Step 2 up to the communication: returns (pending, b1*m_prev or None, d or None)."""
+    def _send(self, b: Bucket, group: dict[str, Any]) -> tuple[list[Any], Any, Any, Any]:
+        """Step 2 up to the communication: returns (pending, b1*m_prev or None, d or None,
+        the EF21 estimates or None)."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend else None
+        d = self._frozen_d(b, group)
+        est = self._estimates(b, d) if self.ef21 else None
+        prev = None
+        if self.blend:  # b1 * the momentum the last update stepped along
+            last = b.exp_avgs
+            if est is not None and self.sends == "momentum":
+                last = torch._foreach_mul(est, d) if d is not None else est
+            prev = torch._foreach_mul(last, beta1)
         if self.sends == "momentum":
             moments_(b, g, beta1, beta2, update_variance=False)   # local momentum, v frozen
             src = b.exp_avgs
         else:
             src = g
-        d = self._frozen_d(b, group)
-        sent = torch._foreach_div(src, d) if d is not None else src
+        sent = torch._foreach_div(src, d) if d is not None else list(src)
+        if est is not None:
+            sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
         if self._communicate is None:
-            return list(sent), prev, d
-        return [self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, d
+            return list(sent), prev, d, est
+        return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, d,
+                est)
+
+    def _estimates(self, b: Bucket, d: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The EF21 estimates of the bucket's tensors, created from the shared momentum (the
+        same on every worker when compression starts) on first use."""
+        out = []
+        for i, (p, m) in enumerate(zip(b.params, b.exp_avgs)):
+            st = self.state[p]
+            if "ef21_estimate" not in st:
+                st["ef21_estimate"] = m / d[i] if d is not None else m.clone()
+            out.append(st["ef21_estimate"])
+        return out
 
     @staticmethod
     def _receive(b: Bucket, pending: list[Any]) -> list[torch.Tensor]:
@@ -193,18 +234,19 @@ class OneBitLANS(LANS):
                                  freeze_step=group["freeze_step"])[0]
 
     @staticmethod
-    def _momentum_update(b: Bucket, group: dict[str, Any],
-                         prev: list[torch.Tensor] | None) -> None:
-        """Step 3 with v frozen; ``prev`` is ``b1*m_prev`` (blend) or None (momentum only)."""
+    def _momentum_update(b: Bucket, group: dict[str, Any], prev: list[torch.Tensor] | None,
+                         mom: list[torch.Tensor]) -> None:
+        """Step 3 with v frozen along the averaged momentum ``mom``; ``prev`` is
+        ``b1*m_prev`` (blend) or None (momentum only)."""
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         d, s = adam_denominators(b, beta2, group["eps"], freeze_step=group["freeze_step"])
-        r = direction(b.exp_avgs, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
+        r = direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
                       b.params, wd)
         c = None
         if prev is not None:
             # gh = (m - b1*m_prev)/(1-b1): the averaged gradient, recovered from the momenta.
-            gh = torch._foreach_sub(b.exp_avgs, prev)
+            gh = torch._foreach_sub(mom, prev)
             c = direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
         del d
         xn = norms(b.params)

@@ -64,7 +64,10 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             against fp16 in the paper's int32-index layout; about 440x on 4 MiB chunks with
             gradpress's default bit-packed indices) are the paper's settings.
         ef: error feedback on workers and servers (``"vanilla"``; ``"corrected"`` scales the
-            residual by lr_prev/lr_now, useful with steep lr schedules).
+            residual by lr_prev/lr_now, useful with steep lr schedules). With
+            ``communicate="momentum"`` also ``"ef21"``: the workers send differences to a
+            shared estimate of the averaged momentum and the codec keeps no residuals
+            (``OneBitLANS(ef21=True)``).
         warmup_steps: uncompressed steps before compression starts (default 100; raise it if
             a transformer's loss lags the uncompressed run; 0 for small CNNs, which show no
             gap). They cost dense traffic: negligible in a long run, half of a 200-step one.
@@ -86,6 +89,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if communicate not in COMMUNICATES:
         raise ValueError(f"communicate must be one of {', '.join(COMMUNICATES)}, got "
                          f"{communicate!r}")
+    if ef == "ef21" and communicate != "momentum":
+        raise ValueError("ef='ef21' needs communicate='momentum' (the optimizer keeps the shared "
+                         f"estimate), got communicate={communicate!r}")
     freezes = freeze_variance or communicate == "momentum"
     if freezes and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
         raise ValueError(f"freeze_variance=True or communicate='momentum' needs warmup_steps "
@@ -114,7 +120,8 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
     from ..compress import build
 
     cs = parse_spec(compression)  # checked now, not when the warm-up ends
-    spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": ef})
+    ef21 = ef == "ef21"           # the estimate is the feedback: no residuals in the codec
+    spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": None if ef21 else ef})
     build(spec, 4096)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
 
@@ -124,7 +131,7 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
 
     opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,
-                     communicate=communicate)
+                     communicate=communicate, ef21=ef21)
     # The wrapper averages dense gradients during the warm-up and stops once the optimizer's
     # compression_active turns true (it communicates momenta from then on).
     return DistributedOptimizer(opt, named_parameters=named, compression="none",

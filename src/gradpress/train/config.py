@@ -25,8 +25,9 @@ OPTIMIZERS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam", "onebit-l
 NO_UNCOMPRESSED_STEPS = ("sgd-ef", "onebit-adam", "onebit-lans")
 #: Optimizers that take ``freeze_step``.
 FREEZING = ("clan", "lans", "onebit-adam", "onebit-lans")
-#: ``--ef`` choices (``none``: no error feedback).
-EF_CHOICES = ("vanilla", "corrected", "sparse", "none")
+#: ``--ef`` choices (``none``: no error feedback; ``ef21``: onebit-lans only, differences to a
+#: shared estimate instead of residuals, ``OneBitLANS(ef21=True)``).
+EF_CHOICES = ("vanilla", "corrected", "sparse", "none", "ef21")
 #: Default uncompressed warm-up steps per optimizer. CLAN: 50 (stdlib-mlm, onebit, 200 steps:
 #: validation loss 9.0% above uncompressed LANS without warm-up, 1.4% with 50 steps; see
 #: ``docs/convergence.md``).
@@ -87,7 +88,9 @@ class TrainConfig:
     #: ``onebit-adam``/``onebit-lans`` the codec of the momentum after warm-up.
     compression: str = "none"
     #: Error feedback on workers and servers: ``vanilla``, ``corrected``, ``sparse``
-    #: (randomk only) or ``none``. Ignored when ``compression`` is ``none``.
+    #: (randomk only), ``none``, or ``ef21`` (``onebit-lans`` only: the optimizer sends
+    #: differences to a shared estimate and the codec runs without residuals). Ignored when
+    #: ``compression`` is ``none``.
     ef: str = "vanilla"
     #: Optimizer (see :data:`OPTIMIZERS`).
     optimizer: str = "clan"
@@ -181,6 +184,10 @@ class TrainConfig:
                              f"{self.beta2} with optimizer 'sgd-ef'")
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         _choice(self, "ef", EF_CHOICES, "error feedback")
+        if self.ef == "ef21" and self.optimizer != "onebit-lans":
+            raise ValueError(f"TrainConfig.ef='ef21' is for onebit-lans (it needs an optimizer "
+                             f"that keeps the shared estimate), got optimizer "
+                             f"{self.optimizer!r}")
         _choice(self, "schedule", SCHEDULES, "schedule")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"TrainConfig.out must be a non-empty path, got {self.out!r}")
@@ -231,8 +238,9 @@ class TrainConfig:
 
     @property
     def effective_ef(self) -> str | None:
-        """The error feedback actually used: None without compression or with ``ef='none'``."""
-        return None if self.ef == "none" or not self.compressed else self.ef
+        """The codec's error feedback: None without compression, with ``ef='none'`` or with
+        ``ef='ef21'`` (the optimizer's estimate is the feedback then)."""
+        return None if self.ef in ("none", "ef21") or not self.compressed else self.ef
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``script`` as a list)."""

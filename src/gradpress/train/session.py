@@ -226,7 +226,8 @@ class Session:
         elif cfg.optimizer == "onebit-lans":
             opt = OneBitLANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"], blend=cfg.blend,
-                             precondition=cfg.precondition, sends=cfg.sends)
+                             precondition=cfg.precondition, sends=cfg.sends,
+                             ef21=cfg.ef == "ef21")
         else:
             opt = OneBitAdam(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"])
