@@ -67,7 +67,8 @@ WORKER = textwrap.dedent('''
     # 2b. the one-call CLAN builder: LANS behind two-way onebit compression, 1 warm-up step
     model = net(3)
     opt = gp.CLAN([(f"clan.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                  warmup_steps=1, min_compress_bytes=0, freeze_variance=True)
+                  warmup_steps=1, min_compress_bytes=0, freeze_variance=True,
+                  communicate="gradient")
     for step in range(3):
         opt.zero_grad()
         x, y = data(step, r)
@@ -78,12 +79,12 @@ WORKER = textwrap.dedent('''
     res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
-    for codec, ef in (("onebit", "vanilla"), ("none", "vanilla"), ("onebit", "ef21")):
+    for codec, ef in (("onebit", "vanilla"), ("none", "vanilla"), ("onebit", "ef21"),
+                      ("onebit", "corrected")):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{ef}"
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                      warmup_steps=1, min_compress_bytes=0, compression=codec, ef=ef,
-                      communicate="momentum")
+                      warmup_steps=1, min_compress_bytes=0, compression=codec, ef=ef)
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
@@ -190,6 +191,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert not torch.equal(w0["clanm_onebit"], w0["clanm_none"])  # the momentum was compressed
     assert bool(w0["clanm_onebit_ef21_active"]) and torch.isfinite(w0["clanm_onebit_ef21"]).all()
     assert not torch.equal(w0["clanm_onebit_ef21"], w0["clanm_onebit"])  # differences travel
+    assert bool(w0["clanm_onebit_corrected_active"])                  # ran with the step's lr
+    assert torch.isfinite(w0["clanm_onebit_corrected"]).all()
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
@@ -204,7 +207,10 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     ({"communicate": "grads"}, ValueError, ["communicate must be one of", "'grads'"]),
     ({"communicate": "momentum", "warmup_steps": 0}, ValueError, ["warmup_steps >= 1"]),
     ({"communicate": "momentum", "compression": "sign"}, ValueError, ["sign"]),
-    ({"ef": "ef21"}, ValueError, ["ef='ef21' needs communicate='momentum'", "'gradient'"]),
+    ({"ef": "ef21", "communicate": "gradient"}, ValueError,
+     ["ef='ef21' needs communicate='momentum'", "'gradient'"]),
+    ({"warmup_steps": 0}, ValueError, ["(the default) needs warmup_steps >= 1",
+                                        "communicate='gradient'"]),
 ])
 def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))

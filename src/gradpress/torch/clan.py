@@ -1,25 +1,29 @@
 """CLAN in one call: the headline method of gradpress (Zhong, Xie, Zheng, Lin 2021).
 
-CLAN is LANS (Zheng et al. 2020) without per-layer gradient normalisation, stepped on the
-two-way compressed gradient:
+CLAN is LANS (Zheng et al. 2020) driven by two-way compressed communication with error feedback
+on workers and servers. ``gp.CLAN`` builds it in one of two ways (``communicate``):
 
-1. each worker compresses its gradient chunks with error feedback (``ef``) and pushes them;
-2. each server decodes all workers' chunks, averages, adds its own residual and compresses again;
-3. every worker decodes the same bytes into ``p.grad`` and takes the LANS step of
-   :func:`gradpress.optim.clan` (``docs/optimizers.md``).
+``"momentum"`` (the default since the 3-seed runs of ``docs/convergence.md``, section 2.6):
+1-bit LANS, :class:`gradpress.optim.OneBitLANS`.
 
-Defaults come from ``docs/convergence.md``: one-bit compression with vanilla error feedback and
-100 uncompressed warm-up steps. On stdlib-mlm (3 seeds, validation loss against uncompressed
-LANS at lr 0.01) CLAN onebit was 9.0% behind without warm-up and 1.3% with 50 steps (200-step
-runs); top-k 0.1% fp16 was 2.9 +- 1.6% behind with 50 steps and 0.0 +- 0.3% with 100, and at
-400 steps 100 warm-up steps beat 50 for both codecs (onebit +2.1% vs +2.4%, top-k +2.4% vs
-+3.4%). Corrected error feedback and finer scales helped less than the warm-up.
+1. for ``warmup_steps`` steps the gradients are averaged uncompressed and LANS (with its
+   gradient normalisation) steps on them;
+2. then the second moment is frozen and each worker's momentum, divided by the frozen
+   ``sqrt(v)+eps``, is compressed, averaged by the servers and compressed again;
+3. every worker takes LANS's step along the averaged momentum.
 
-Known limit: in 800-step runs the gap grows to about 8.6% (3 seeds): uncompressed LANS starts to
-use the context late in the run and compressed CLAN does not; about 3.4 points of it are CLAN's
-missing gradient normalisation (uncompressed CLAN is that far behind too). On that task 1-bit
-Adam (:class:`gradpress.optim.OneBitAdam`, momentum compression after a dense warm-up) kept up
-with uncompressed Adam (``docs/convergence.md``, sections 2.4-2.5).
+``"gradient"`` (the paper's CLAN): each worker compresses its gradient chunks, the servers
+average and compress again, and every worker takes the LANS step without gradient normalisation
+(:func:`gradpress.optim.clan`) on the decoded gradient, after ``warmup_steps`` uncompressed steps.
+
+Evidence (stdlib-mlm, validation loss against uncompressed LANS at lr 0.01, 3 seeds, 100 dense
+steps): one-bit, momentum +0.25% / +0.67% / +6.39% at 200 / 400 / 800 steps against gradient
++1.34% (50 warm-up) / +2.12% / +8.57%; top-k 0.1% fp16, momentum +0.78% / +2.25% / +8.25%
+against gradient +0.01% / +2.35% / +9.00% (gradient at its own lr 0.02). So ``"momentum"`` is
+the better default for one-bit at every length and for top-k from 400 steps on.
+
+Known limit: neither keeps within 3% at 800 steps, where uncompressed LANS starts to use the
+context and the compressed runs lag (``docs/convergence.md``, sections 2.4-2.6).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
          eps: float = 1e-6, freeze_variance: bool = False,
          min_compress_bytes: int | None = 1 << 20,
          backward_passes_per_step: int = 1, nan_policy: str = "raise",
-         communicate: str = "gradient") -> torch.optim.Optimizer:
+         communicate: str = "momentum") -> torch.optim.Optimizer:
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
     Args:
@@ -69,20 +73,24 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             shared estimate of the averaged momentum and the codec keeps no residuals
             (``OneBitLANS(ef21=True)``).
         warmup_steps: uncompressed steps before compression starts (default 100; raise it if
-            a transformer's loss lags the uncompressed run; 0 for small CNNs, which show no
-            gap). They cost dense traffic: negligible in a long run, half of a 200-step one.
+            a transformer's loss lags the uncompressed run). With ``"momentum"`` it is also
+            where the second moment freezes, so it must be >= 1 (1-bit Adam uses 15-25% of
+            the run); ``communicate="gradient", warmup_steps=0`` compresses from the first
+            step (small CNNs show no gap). They cost dense traffic: negligible in a long run,
+            half of a 200-step one.
         weight_decay, betas, eps: LANS hyperparameters (``docs/optimizers.md``).
         freeze_variance: freeze LANS's second moment when compression starts (after
             ``warmup_steps``, which must then be >= 1), as 1-bit Adam does; see
             ``docs/convergence.md`` for what it did on stdlib-mlm.
         min_compress_bytes: tensors smaller than this travel uncompressed and exact.
         backward_passes_per_step, nan_policy: as in :func:`DistributedOptimizer`.
-        communicate: ``"gradient"`` (the paper's CLAN: the two-way compressed gradient drives
-            LANS without gradient normalisation) or ``"momentum"`` (1-bit LANS,
+        communicate: ``"momentum"`` (default; 1-bit LANS,
             :class:`gradpress.optim.OneBitLANS`: LANS proper on the dense gradient for
             ``warmup_steps`` steps, then the second moment frozen and each worker's momentum,
-            divided by the frozen ``sqrt(v)+eps``, compressed two-way with error feedback).
-            ``freeze_variance`` is implied by ``"momentum"``.
+            divided by the frozen ``sqrt(v)+eps``, compressed two-way with error feedback;
+            ``freeze_variance`` is implied) or ``"gradient"`` (the paper's CLAN: the two-way
+            compressed gradient drives LANS without gradient normalisation). The evidence for
+            the default is in the module docstring.
     """
     if not isinstance(freeze_variance, bool):
         raise TypeError(f"freeze_variance must be a bool, got {freeze_variance!r}")
@@ -94,9 +102,10 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
                          f"estimate), got communicate={communicate!r}")
     freezes = freeze_variance or communicate == "momentum"
     if freezes and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
-        raise ValueError(f"freeze_variance=True or communicate='momentum' needs warmup_steps "
-                         f">= 1 (the second moment is frozen when compression starts), got "
-                         f"warmup_steps={warmup_steps!r}")
+        raise ValueError(f"freeze_variance=True or communicate='momentum' (the default) needs "
+                         f"warmup_steps >= 1 (the second moment is frozen when compression "
+                         f"starts), got warmup_steps={warmup_steps!r}; communicate='gradient' "
+                         f"compresses from the first step")
     named = list(named_parameters)
     if communicate == "momentum":
         return _momentum_clan(named, lr, compression, ef, warmup_steps, weight_decay, betas, eps,
@@ -124,14 +133,19 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
     spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": None if ef21 else ef})
     build(spec, 4096)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
+    groups: list[dict[str, Any]] = []           # the optimizer's, once built
 
     def communicate(key: str, m: torch.Tensor) -> Any:
+        # corrected error feedback rescales the residuals by the change of the current lr
+        step_lr = groups[0]["lr"] if ef == "corrected" else None
         return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
-                               compression=spec, min_compress_bytes=min_compress_bytes)
+                               compression=spec, lr=step_lr,
+                               min_compress_bytes=min_compress_bytes)
 
     opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,
                      communicate=communicate, ef21=ef21)
+    groups.extend(opt.param_groups)
     # The wrapper averages dense gradients during the warm-up and stops once the optimizer's
     # compression_active turns true (it communicates momenta from then on).
     return DistributedOptimizer(opt, named_parameters=named, compression="none",
