@@ -4,7 +4,8 @@ The 1-bit Adam recipe (Tang et al., ICML 2021, arXiv:2102.02888; :class:`OneBitA
 LANS (Zheng et al. 2020, arXiv:2006.13484), in the way DeepSpeed's 1-bit LAMB (Li et al. 2021,
 arXiv:2104.06069) applies it to LAMB: what travels compressed after the warm-up is each worker's
 momentum, not its gradient. It is the "compress the momentum instead of the gradient" remedy of
-CLAN's transformer gap (``docs/convergence.md``), available as ``gp.CLAN(communicate="momentum")``.
+CLAN's transformer gap (``docs/convergence.md``, section 2.6) and what ``gp.CLAN`` builds by
+default (``communicate="momentum"``).
 """
 
 from __future__ import annotations
