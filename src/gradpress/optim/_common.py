@@ -227,13 +227,18 @@ class BucketedOptimizer(torch.optim.Optimizer):
             start += len(group["params"])
         return work
 
+    @staticmethod
+    def _closure_loss(closure: Any) -> Any:
+        """Run ``closure`` (if any) with gradients enabled; its loss, or None."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model, returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for b, group in self._bucketed():
             self._update(b, group)
         return loss

@@ -36,6 +36,20 @@ def _split(b: Bucket, freeze_step: int) -> tuple[Bucket, Bucket]:
     return warm, comp
 
 
+def received(b: Bucket, pending: list[Any]) -> list[torch.Tensor]:
+    """Wait for what ``communicate`` returned for each tensor of ``b`` (tensors or handles with
+    ``wait()``); TypeError unless each is a tensor shaped like the parameter's momentum."""
+    out = []
+    for i, (m, res) in enumerate(zip(b.exp_avgs, pending)):
+        avg = res.wait() if hasattr(res, "wait") else res
+        if not isinstance(avg, torch.Tensor) or avg.shape != m.shape:
+            got = tuple(avg.shape) if isinstance(avg, torch.Tensor) else type(avg).__name__
+            raise TypeError(f"communicate for parameter {b.indices[i]} must return a tensor "
+                            f"of shape {tuple(m.shape)}, got {got}")
+        out.append(avg)
+    return out
+
+
 class OneBitAdam(BucketedOptimizer):
     r"""1-bit Adam (Tang et al. 2021, as in DeepSpeed), single-process core.
 
@@ -143,10 +157,7 @@ class OneBitAdam(BucketedOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model, returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         stages = []
         for b, group in self._bucketed():
             warm, comp = _split(b, group["freeze_step"])
@@ -174,12 +185,7 @@ class OneBitAdam(BucketedOptimizer):
     @staticmethod
     def _collect(b: Bucket, pending: list[Any]) -> None:
         """Wait for the averaged momenta and store them as the new ``m``."""
-        for i, (m, res) in enumerate(zip(b.exp_avgs, pending)):
-            avg = res.wait() if hasattr(res, "wait") else res
-            if not isinstance(avg, torch.Tensor) or avg.shape != m.shape:
-                got = tuple(avg.shape) if isinstance(avg, torch.Tensor) else type(avg).__name__
-                raise TypeError(f"communicate for parameter {b.indices[i]} must return a tensor "
-                                f"of shape {tuple(m.shape)}, got {got}")
+        for m, avg in zip(b.exp_avgs, received(b, pending)):
             if avg is not m:
                 m.copy_(avg)
 

@@ -25,7 +25,7 @@ from ._common import (
     trust_ratios,
 )
 from .lans import LANS
-from .onebit_adam import Communicate, OneBitAdam, _split
+from .onebit_adam import Communicate, OneBitAdam, _split, received
 
 __all__ = ["OneBitLANS", "SENDS"]
 
@@ -145,10 +145,7 @@ class OneBitLANS(LANS):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model, returns the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         stages = []
         for b, group in self._bucketed():
             warm, comp = _split(b, group["freeze_step"])
@@ -158,12 +155,12 @@ class OneBitLANS(LANS):
             if comp.params:
                 # Step 2: launch every communication of the step before waiting for any.
                 stages.append((comp, group) + self._send(comp, group))
-        for b, group, pending, prev, d, est in stages:
-            got = self._receive(b, pending)
+        for b, group, pending, prev, (d, s), est in stages:
+            got = received(b, pending)
             if est is not None:
                 torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
                 got = est
-            if d is not None:
+            if self.precondition:
                 got = torch._foreach_mul(got, d)        # back from x/d to x
             mom = b.exp_avgs
             if self.sends == "gradient":
@@ -174,15 +171,16 @@ class OneBitLANS(LANS):
                 for m, avg in zip(b.exp_avgs, got):
                     if avg is not m:
                         m.copy_(avg)
-            self._momentum_update(b, group, prev, mom)
+            self._momentum_update(b, group, prev, mom, d, s)
         return loss
 
     def _send(self, b: Bucket, group: dict[str, Any]) -> tuple[list[Any], Any, Any, Any]:
-        """Step 2 up to the communication: returns (pending, b1*m_prev or None, d or None,
-        the EF21 estimates or None)."""
+        """Step 2 up to the communication: returns (pending, b1*m_prev or None, the frozen
+        ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None)."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        d = self._frozen_d(b, group)
+        ds = adam_denominators(b, beta2, group["eps"], freeze_step=group["freeze_step"])
+        d = ds[0] if self.precondition else None     # what the sent tensors are divided by
         est = self._estimates(b, d) if self.ef21 else None
         prev = None
         if self.blend:  # b1 * the momentum the last update stepped along
@@ -199,8 +197,8 @@ class OneBitLANS(LANS):
         if est is not None:
             sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
         if self._communicate is None:
-            return list(sent), prev, d, est
-        return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, d,
+            return list(sent), prev, ds, est
+        return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, ds,
                 est)
 
     def _estimates(self, b: Bucket, d: list[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -215,33 +213,12 @@ class OneBitLANS(LANS):
         return out
 
     @staticmethod
-    def _receive(b: Bucket, pending: list[Any]) -> list[torch.Tensor]:
-        """Wait for the averaged tensors, checking their shapes."""
-        out = []
-        for i, (m, res) in enumerate(zip(b.exp_avgs, pending)):
-            avg = res.wait() if hasattr(res, "wait") else res
-            if not isinstance(avg, torch.Tensor) or avg.shape != m.shape:
-                got = tuple(avg.shape) if isinstance(avg, torch.Tensor) else type(avg).__name__
-                raise TypeError(f"communicate for parameter {b.indices[i]} must return a tensor "
-                                f"of shape {tuple(m.shape)}, got {got}")
-            out.append(avg)
-        return out
-
-    def _frozen_d(self, b: Bucket, group: dict[str, Any]) -> list[torch.Tensor] | None:
-        """The constant ``d = sqrt(v) + eps*s`` of the frozen stage (None: no preconditioning)."""
-        if not self.precondition:
-            return None
-        return adam_denominators(b, group["betas"][1], group["eps"],
-                                 freeze_step=group["freeze_step"])[0]
-
-    @staticmethod
     def _momentum_update(b: Bucket, group: dict[str, Any], prev: list[torch.Tensor] | None,
-                         mom: list[torch.Tensor]) -> None:
+                         mom: list[torch.Tensor], d: list[torch.Tensor], s: list[float]) -> None:
         """Step 3 with v frozen along the averaged momentum ``mom``; ``prev`` is
-        ``b1*m_prev`` (blend) or None (momentum only)."""
-        beta1, beta2 = group["betas"]
+        ``b1*m_prev`` (blend) or None (momentum only); ``d``, ``s`` the frozen denominators."""
+        beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
-        d, s = adam_denominators(b, beta2, group["eps"], freeze_step=group["freeze_step"])
         r = direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
                       b.params, wd)
         c = None
@@ -249,7 +226,6 @@ class OneBitLANS(LANS):
             # gh = (m - b1*m_prev)/(1-b1): the averaged gradient, recovered from the momenta.
             gh = torch._foreach_sub(mom, prev)
             c = direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
-        del d
         xn = norms(b.params)
         dtype = b.params[0].dtype
         q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
