@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,18 @@ def run(opt: torch.optim.Optimizer, params: list[torch.Tensor],
         for p, gr in zip(params, grads):
             p.grad = None if gr is None else gr.to(p.dtype).clone()
         opt.step()
+
+
+def halving_recorder() -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    """A ``communicate`` that records (key, tensor) and returns half the tensor: the "average"
+    with a second worker whose tensor is 0."""
+    calls: list[tuple[str, torch.Tensor]] = []
+
+    def communicate(key: str, t: torch.Tensor) -> torch.Tensor:
+        calls.append((key, t.clone()))
+        return 0.5 * t
+
+    return calls, communicate
 
 
 # -- independent float64 references -----------------------------------------------------------
@@ -264,11 +277,7 @@ def test_onebit_adam_warmup_equals_torch_adam(wd):
 
 def test_onebit_adam_compression_stage():
     params = make_params()
-    calls = []
-
-    def communicate(key, m):
-        calls.append((key, m.clone()))
-        return 0.5 * m          # "average" with a worker whose momentum is 0
+    calls, communicate = halving_recorder()
 
     opt = OneBitAdam(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, freeze_step=2,
                      communicate=communicate)
@@ -355,11 +364,7 @@ def test_onebit_lans_warmup_equals_lans(normalize):
 @pytest.mark.parametrize("normalize", [True, False])
 def test_onebit_lans_compression_stage(normalize, blend, precondition):
     params = make_params()
-    calls = []
-
-    def communicate(key, m):
-        calls.append((key, m.clone()))
-        return 0.5 * m          # "average" with a worker whose momentum is 0
+    calls, communicate = halving_recorder()
 
     opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, freeze_step=2,
                      normalize_grad=normalize, communicate=communicate, blend=blend,
@@ -415,11 +420,7 @@ def test_onebit_lans_checks():
 
 def test_onebit_lans_sends_gradient():
     params = make_params()
-    calls = []
-
-    def communicate(key, t):
-        calls.append(t.clone())
-        return 0.5 * t
+    calls, communicate = halving_recorder()
 
     opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), freeze_step=2, sends="gradient",
                      normalize_grad=False, communicate=communicate)
@@ -428,7 +429,7 @@ def test_onebit_lans_sends_gradient():
     v = [opt.state[p]["exp_avg_sq"].clone() for p in params]
     m_prev = [opt.state[p]["exp_avg"].clone() for p in params]
     run(opt, params, seq[2:])
-    for t, i in zip(calls, [0, 2, 3]):
+    for (_key, t), i in zip(calls, [0, 2, 3]):
         d = v[i].sqrt() + 1e-6 * (1 - 0.99 ** 2) ** 0.5
         torch.testing.assert_close(t, seq[2][i] / d)                  # the gradient travels
         torch.testing.assert_close(opt.state[params[i]]["exp_avg"],
@@ -451,11 +452,7 @@ def test_onebit_lans_blend_lossless_equals_frozen_lans(sends, ef21):
 
 def test_onebit_lans_ef21_sends_differences_and_keeps_momenta_local():
     params = make_params()
-    calls = []
-
-    def communicate(key, t):
-        calls.append((key, t.clone()))
-        return 0.5 * t          # "average" with a worker whose difference is 0
+    calls, communicate = halving_recorder()
 
     opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), freeze_step=2, ef21=True, blend=False,
                      communicate=communicate)
