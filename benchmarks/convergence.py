@@ -58,6 +58,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ef21-noblend": {"args": {"ef": "ef21", "no-blend": True}},
     "freeze100": {"args": {"freeze-step": 100}},
     "freeze320": {"args": {"freeze-step": 320}},
+    "pos": {"args": {"uncompressed-params": "pos.weight"}},
+    "r50": {"args": {"refresh-every": 50}},
+    "pos-r50": {"args": {"uncompressed-params": "pos.weight", "refresh-every": 50}},
+    "pos-r100": {"args": {"uncompressed-params": "pos.weight", "refresh-every": 100}},
     "warmup50": {"args": {"uncompressed-steps": 50}},
     "warmup100": {"args": {"uncompressed-steps": 100}},
     "warmup100-freeze": {"args": {"uncompressed-steps": 100, "freeze-step": 100}},
@@ -194,10 +198,22 @@ def execute(runs: Sequence[Run], dry: bool = False) -> None:
             print(f"  failed (exit {proc.returncode}): {proc.stderr[-800:]}", flush=True)
 
 
-def wire(rep: Mapping[str, Any]) -> dict[str, float | None]:
-    """Bytes per step per worker (push, last step) and the measured ratios of one report."""
+def compressed_push(rep: Mapping[str, Any], run_dir: Path) -> float:
+    """Mean bytes pushed per step after the uncompressed warm-up (so a run's dense refresh
+    steps count), from the run's ``metrics.jsonl``; the last step's without it."""
+    hp = rep.get("hparams") or {}
+    start = max(hp.get("freeze_step") or 0, hp.get("uncompressed_steps") or 0)
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    pushed = [r["bytes_pushed"] for r in rows if r.get("kind") == "step" and r["step"] > start]
+    return statistics.fmean(pushed) if pushed else float(rep["bytes_per_step"]["push_last"])
+
+
+def wire(rep: Mapping[str, Any], run_dir: Path) -> dict[str, float | None]:
+    """Bytes per step per worker (push, mean after the warm-up) and the measured ratios of one
+    report."""
     bps, codec = rep["bytes_per_step"], rep.get("codec") or {}
-    push, dense = float(bps["push_last"]), float(bps["dense_fp32"])
+    push, dense = compressed_push(rep, run_dir), float(bps["dense_fp32"])
     small = codec.get("model_wire_bytes", 0) - codec.get("compressed_wire_bytes", 0)
     comp = push - small
     comp16 = codec.get("compressed_fp32_bytes", 0) / 2
@@ -228,7 +244,7 @@ def aggregate(runs: Sequence[Run], reports: Mapping[Path, Mapping[str, Any]]
         metric = reps[0]["metric"]
         scale = 100.0 if "acc" in metric["name"] else 1.0
         vals = [scale * float(rep["metric"]["value"]) for rep in reps]
-        w = wire(reps[0])
+        w = wire(reps[0], next(r.out for r in members if r.out in reports))
         rows.append({"task": key[0], "optimizer": key[1], "codec": key[2], "variant": key[3],
                      "lr": key[4], "steps": reps[0].get("steps"), "metric": metric["name"],
                      "values": vals, "seeds": [r.seed for r in members if r.out in reports],

@@ -119,3 +119,15 @@ def test_baseline_gap_is_paired_by_seed(tmp_path: Path) -> None:
     assert "| +10.00 ± 0.00% (n=2) |" in conv.table(rows)
     plain = {k: v for k, v in rows[0].items() if k != "gap"}
     assert "vs baseline" not in conv.table([plain])
+
+
+def test_push_per_step_counts_refresh_steps_after_the_warm_up(tmp_path: Path) -> None:
+    conv = _driver()
+    rep = {**_report(0.9, 520), "hparams": {"freeze_step": 2}}
+    assert conv.compressed_push(rep, tmp_path) == 520  # no metrics: the last step's bytes
+    pushed = [4000, 4000, 520, 4000, 520, 520]       # warm-up, then one dense refresh step
+    (tmp_path / "metrics.jsonl").write_text("\n".join(
+        json.dumps({"kind": "step", "step": i + 1, "bytes_pushed": b})
+        for i, b in enumerate(pushed)) + '\n{"kind": "summary"}\n')
+    assert conv.compressed_push(rep, tmp_path) == pytest.approx((520 * 3 + 4000) / 4)
+    assert conv.wire(rep, tmp_path)["model_vs_fp32"] == pytest.approx(4000 / 1390)

@@ -79,12 +79,16 @@ WORKER = textwrap.dedent('''
     res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
-    for codec, ef in (("onebit", "vanilla"), ("none", "vanilla"), ("onebit", "ef21"),
-                      ("onebit", "corrected")):
+    EFS = ("vanilla", "ef21", "corrected")
+    for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
+                             ("onebit", "ef21", ()), ("onebit", "corrected", ()),
+                             ("onebit", "exact", ("*",)), ("onebit", "refresh", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{ef}"
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                      warmup_steps=1, min_compress_bytes=0, compression=codec, ef=ef)
+                      warmup_steps=1, min_compress_bytes=0, compression=codec,
+                      ef=ef if ef in EFS else "vanilla", uncompressed_params=exact,
+                      refresh_every=2 if ef == "refresh" else None)
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
@@ -147,6 +151,15 @@ WORKER = textwrap.dedent('''
     m, _ = train("wu2", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
                  warmup_steps=2)
     res["warmup_half"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    # 8. uncompressed_params: the named tensors travel exactly, the others compressed
+    m, _ = train("ex", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
+                 uncompressed_params=["ex.*"])
+    res["exact_all"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    m, _ = train("ex1", 1, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
+                 uncompressed_params=["ex1.0.*"])
+    res["exact_first"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    m, _ = train("none1", 1, sgd, compression="none")
+    res["none_1step"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
 ''')
@@ -193,6 +206,13 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert not torch.equal(w0["clanm_onebit_ef21"], w0["clanm_onebit"])  # differences travel
     assert bool(w0["clanm_onebit_corrected_active"])                  # ran with the step's lr
     assert torch.isfinite(w0["clanm_onebit_corrected"]).all()
+    assert torch.equal(w0["clanm_onebit_exact"], w0["clanm_none"])  # every momentum exact
+    assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
+    assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
+    assert torch.equal(w0["exact_all"], w0["none"])
+    first = 12 * 40 + 40  # layer 0 is exact after one step, layer 2 was compressed
+    assert torch.equal(w0["exact_first"][:first], w0["none_1step"][:first])
+    assert not torch.equal(w0["exact_first"][first:], w0["none_1step"][first:])
     assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
@@ -211,6 +231,13 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
      ["ef='ef21' needs communicate='momentum'", "'gradient'"]),
     ({"warmup_steps": 0}, ValueError, ["(the default) needs warmup_steps >= 1",
                                         "communicate='gradient'"]),
+    ({"uncompressed_params": ["pos.*"]}, ValueError,
+     ["uncompressed_params: 'pos.*' matches no parameter name", "names are: w"]),
+    ({"uncompressed_params": "w"}, TypeError, ["collection of names", "['w']"]),
+    ({"uncompressed_params": [3]}, TypeError, ["must hold strings", "3"]),
+    ({"refresh_every": 0}, ValueError, ["refresh_every must be None or an int >= 1", "0"]),
+    ({"refresh_every": 5, "communicate": "gradient"}, ValueError,
+     ["refresh_every needs communicate='momentum'", "'gradient'"]),
 ])
 def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))
@@ -218,3 +245,23 @@ def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str])
         gp.CLAN([("w", p)], **kw)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_match_names_patterns_and_exact_names() -> None:
+    from gradpress.torch.optimizer import match_names
+
+    names = ["tok.weight", "pos.weight", "enc.0.bias", "enc.1.bias"]
+    assert match_names(names, ["pos.weight", "*.bias"], "x") == {"pos.weight", "enc.0.bias",
+                                                                  "enc.1.bias"}
+    assert match_names(names, (), "x") == frozenset()
+    with pytest.raises(ValueError, match="'Pos.weight' matches no parameter name"):
+        match_names(names, ["Pos.weight"], "x")  # case-sensitive on every platform
+
+
+def test_distributed_optimizer_rejects_unmatched_uncompressed_params() -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="'lin.bais' matches no parameter name"):
+        gp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                named_parameters=[(f"lin.{n}", p)
+                                                  for n, p in model.named_parameters()],
+                                uncompressed_params=["lin.bais"])

@@ -411,6 +411,10 @@ def test_onebit_lans_checks():
         OneBitLANS(make_params(), ef21="yes")
     with pytest.raises(ValueError, match="sends must be one of momentum, gradient, got 'm'"):
         OneBitLANS(make_params(), sends="m")
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"refresh_every must be None or an int >= 1, got "
+                                             f"{bad!r}"):
+            OneBitLANS(make_params(), refresh_every=bad)
     params = make_params()
     opt = OneBitLANS(params, freeze_step=1, communicate=lambda key, m: m[:1])
     run(opt, params, make_grads(steps=1))
@@ -448,6 +452,58 @@ def test_onebit_lans_blend_lossless_equals_frozen_lans(sends, ef21):
     run(ours, a, seq)
     run(ref, b, seq)
     assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("blend", [True, False])
+def test_onebit_lans_refresh_every_step_is_lans(blend):
+    # A refresh at every step after the warm-up updates v with weight 1-b2 each step: LANS.
+    a, b = make_params(), make_params()
+    calls, communicate = halving_recorder()
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, refresh_every=1,
+                      communicate=communicate, blend=blend)
+    ref = LANS(b, lr=0.01, weight_decay=0.01, fused=False)
+    seq = make_grads(steps=5)
+    run(ours, a, seq)
+    run(ref, b, seq)
+    assert not calls and not ours.compression_active   # every step dense
+    if blend:
+        assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def test_onebit_lans_refresh_step_updates_v_for_the_skipped_steps():
+    params = make_params()
+    calls, communicate = halving_recorder()
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.0, freeze_step=2,
+                     refresh_every=2, communicate=communicate, blend=False)
+    seq = make_grads(steps=5)
+    seq[2][1] = seq[3][1].clone()      # every tensor at the same step (as in a distributed run)
+    run(opt, params, seq[:2])
+    v2 = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    run(opt, params, seq[2:3])                         # step 3: compressed
+    assert [k for k, _ in calls] == ["0", "1", "2", "3"] and not opt.compression_active
+    m3 = [opt.state[p]["exp_avg"].clone() for p in params]
+    x3 = [p.detach().clone() for p in params]
+    calls.clear()
+    run(opt, params, seq[3:4])                         # step 4: dense refresh, nothing sent
+    assert not calls and opt.compression_active
+    for i in range(4):
+        st, g = opt.state[params[i]], seq[3][i] / seq[3][i].norm()
+        v4 = 0.99 ** 2 * v2[i] + (1 - 0.99 ** 2) * g * g   # g stands in for steps 3 and 4
+        torch.testing.assert_close(st["exp_avg_sq"], v4)
+        torch.testing.assert_close(st["exp_avg"], 0.9 * m3[i] + 0.1 * g)
+        assert st["variance_step"] == 4
+        r = (st["exp_avg"] / (1 - 0.9 ** 4)) / ((v4 / (1 - 0.99 ** 4)).sqrt() + 1e-6)
+        want = x3[i] - 0.01 * (x3[i].norm() / r.norm()) * r
+        torch.testing.assert_close(params[i].detach(), want, rtol=1e-12, atol=1e-12)
+    m4 = {i: opt.state[params[i]]["exp_avg"].clone() for i in range(4)}
+    run(opt, params, seq[4:])                          # step 5: compressed with the new v
+    for key, sent in calls:
+        i = int(key)
+        st, g = opt.state[params[i]], seq[4][i] / seq[4][i].norm()
+        d = st["exp_avg_sq"].sqrt() + 1e-6 * (1 - 0.99 ** 4) ** 0.5
+        torch.testing.assert_close(sent, (0.9 * m4[i] + 0.1 * g) / d)
 
 
 def test_onebit_lans_ef21_sends_differences_and_keeps_momenta_local():
@@ -510,7 +566,10 @@ def test_onebit_lans_ef21_estimate_converges_under_a_contractive_codec():
     lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2),
     lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2, ef21=True,
                           communicate=lambda key, t: t.abs().mean() * torch.sign(t)),
-], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans", "onebit_lans_ef21"])
+    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=1, refresh_every=2,
+                          communicate=lambda key, t: t.abs().mean() * torch.sign(t)),
+], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans", "onebit_lans_ef21",
+        "onebit_lans_refresh"])
 def test_state_dict_round_trip_continues_identically(factory):
     seq = make_grads(steps=6)
     a = make_params(torch.float32)

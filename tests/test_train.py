@@ -62,6 +62,8 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"optimizer": "clan", "ef": "ef21"}, ["TrainConfig.ef='ef21'", "onebit-lans", "'clan'"]),
     ({"optimizer": "onebit-lans", "uncompressed_steps": 5}, ["uncompressed_steps",
                                                             "'onebit-lans'"]),
+    ({"uncompressed_params": "pos.weight"}, ["TrainConfig.uncompressed_params", "tuple"]),
+    ({"uncompressed_params": ("pos.weight", "")}, ["TrainConfig.uncompressed_params", "''"]),
 ])
 def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
     base = {"task": "digits-cnn"}
@@ -72,7 +74,8 @@ def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
 
 
 def test_config_round_trip_and_defaults() -> None:
-    cfg = TrainConfig(task="digits-cnn", compression="onebit", optimizer="sgd-ef", steps=5)
+    cfg = TrainConfig(task="digits-cnn", compression="onebit", optimizer="sgd-ef", steps=5,
+                      uncompressed_params=("conv1.*",))
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.effective_ef == "vanilla"
     assert TrainConfig(task="digits-cnn").effective_ef is None  # uncompressed: no residuals
@@ -96,6 +99,9 @@ def test_bad_input_fails_before_any_process_starts(tmp_path: Path,
             (["--task", "nope"], "valid tasks: digits-cnn, stdlib-mlm"),
             (["--task", "digits-cnn", "--optimizer", "adagrad"], "valid optimizers: clan"),
             (["--task", "digits-cnn", "--compression", "gzip"], "valid codecs: none"),
+            (["--task", "stdlib-mlm", "--uncompressed-params", "pos.weight", "position"],
+             "--uncompressed-params: 'position' matches no parameter name; names are: "
+             "tok.weight, pos.weight"),
     ):
         with pytest.raises(ValueError, match=msg):
             run_train(_train_args([*argv, "--out", str(tmp_path / "o")]))
@@ -129,6 +135,8 @@ def test_codec_ratios_count_payloads() -> None:
     assert 30 < r["compressed_vs_fp32"] < 32 and r["model_vs_fp32"] < r["compressed_vs_fp32"]
     t = codec_ratios(named, "topk:k=0.001,values=fp16", 16 << 10, 4 << 20)
     assert t["compressed_vs_fp16"] > 200
+    e = codec_ratios(named, "onebit", 16 << 10, 4 << 20, exact={"big"})  # named: uncompressed
+    assert e["compressed_tensors"] == 0 and e["model_vs_fp32"] < 1
 
 
 def _records(n: int, interrupted: bool) -> list[dict]:

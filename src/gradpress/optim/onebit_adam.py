@@ -22,11 +22,12 @@ __all__ = ["OneBitAdam", "Communicate"]
 Communicate = Callable[[str, torch.Tensor], Any]
 
 
-def _split(b: Bucket, freeze_step: int) -> tuple[Bucket, Bucket]:
-    """Split a bucket into (warm-up tensors, compression-stage tensors) by their step."""
+def _split(b: Bucket, first: Callable[[int], bool]) -> tuple[Bucket, Bucket]:
+    """Split a bucket into (tensors whose step ``t`` has ``first(t)``, the others), e.g.
+    (warm-up tensors, compression-stage tensors)."""
     warm, comp = Bucket(), Bucket()
     for i, t in enumerate(b.steps):
-        dst = warm if t <= freeze_step else comp
+        dst = warm if first(t) else comp
         dst.params.append(b.params[i])
         dst.grads.append(b.grads[i])
         dst.exp_avgs.append(b.exp_avgs[i])
@@ -160,7 +161,8 @@ class OneBitAdam(BucketedOptimizer):
         loss = self._closure_loss(closure)
         stages = []
         for b, group in self._bucketed():
-            warm, comp = _split(b, group["freeze_step"])
+            fs = group["freeze_step"]
+            warm, comp = _split(b, lambda t, fs=fs: t <= fs)
             beta1, beta2 = group["betas"]
             if warm.params:
                 # Step 1: Adam moments on the (uncompressed-averaged) gradient.

@@ -10,6 +10,7 @@ default (``communicate="momentum"``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,6 +62,14 @@ class OneBitLANS(LANS):
        ``x = x - lr*b1*q_r*r - lr*(1-b1)*q_c*c``. Without ``blend``:
        ``x = x - lr*q_r*r`` (LAMB's update, as in 1-bit LAMB); the total step is ``lr*||x||``
        either way.
+    4. Variance refresh (``refresh_every=K``; after 0/1 Adam, Lu et al., ICML 2022,
+       arXiv:2202.06009, which updates the variance only at some steps): every ``K``-th step of
+       the compression stage (``t - freeze_step`` a multiple of ``K``) is dense again: the
+       caller averages gradients uncompressed, as in the warm-up, and
+       ``m = b1*m + (1-b1)*g``; the averaged gradient stands in for every step since ``v``
+       was last updated, ``k`` of them: ``v = b2^k*v + (1-b2^k)*g*g``, whose bias correction
+       is then ``1-b2^t`` as in LANS; the update is step 3's with this ``m`` and ``v``. The
+       EF21 estimates are reset to the (shared) new ``m/d``.
 
     Tuning advice:
 
@@ -86,6 +95,11 @@ class OneBitLANS(LANS):
     * ``blend``: True keeps LANS's update after the warm-up; ``gh`` carries the codec's error of
       one step amplified by ``1/(1-b1)`` (error feedback cancels it over the next steps), which
       its trust ratio ``q_c`` then damps. False uses the momentum direction alone.
+    * ``refresh_every``: None (``v`` stays frozen, as 1-bit Adam). A frozen ``v`` remembers
+      the warm-up's gradients; when the gradients of some weights grow or shrink later (a
+      transformer that starts to use its context), their steps are mis-scaled. Each refresh
+      costs one dense step: ``K`` = 50 with a one-bit codec (32x) sends about 1.6x the bytes
+      of no refresh.
     * ``eps``, ``weight_decay``, ``min_trust``, ``max_trust``: as :class:`LANS`.
 
     Recipe (the same as :class:`OneBitAdam`): while :attr:`compression_active` is False the caller
@@ -104,6 +118,8 @@ class OneBitLANS(LANS):
         sends: ``"momentum"`` or ``"gradient"`` (step 2).
         ef21: communicate differences to a shared estimate (step 2); the distributed layer's
             codec must then run without error feedback.
+        refresh_every: None, or an int >= 1: every this many compression-stage steps, one
+            dense step refreshes ``v`` (step 4).
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
 
@@ -120,12 +136,16 @@ class OneBitLANS(LANS):
                  fused: bool | None = None, freeze_step: int = 100,
                  communicate: Communicate | None = None, blend: bool = True,
                  precondition: bool = True, sends: str = "momentum",
-                 ef21: bool = False) -> None:
+                 ef21: bool = False, refresh_every: int | None = None) -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
         for name, flag in (("blend", blend), ("precondition", precondition), ("ef21", ef21)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
+        if refresh_every is not None and (isinstance(refresh_every, bool) or not isinstance(
+                refresh_every, int) or refresh_every < 1):
+            raise ValueError(f"refresh_every must be None or an int >= 1, got {refresh_every!r}")
+        self.refresh_every = refresh_every
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
         self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
@@ -135,7 +155,23 @@ class OneBitLANS(LANS):
         self.communicate = communicate
 
     communicate = OneBitAdam.communicate
-    compression_active = OneBitAdam.compression_active
+
+    @property
+    def compression_active(self) -> bool:
+        """True when the next ``step()`` runs the compression stage for some parameter: it is
+        past ``freeze_step`` and not a refresh step (step 4). While False the caller must
+        average the gradients uncompressed; while True hand local gradients."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                t = int(self.state.get(p, {}).get("step", 0)) + 1   # the coming step
+                if t > group["freeze_step"] and not self._refreshes(t, group):
+                    return True
+        return False
+
+    def _refreshes(self, t: int, group: dict[str, Any]) -> bool:
+        """Whether step ``t`` of a tensor is a variance-refresh step (step 4)."""
+        k, fs = self.refresh_every, group["freeze_step"]
+        return k is not None and t > fs and (t - fs) % k == 0
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
@@ -148,10 +184,14 @@ class OneBitLANS(LANS):
         loss = self._closure_loss(closure)
         stages = []
         for b, group in self._bucketed():
-            warm, comp = _split(b, group["freeze_step"])
+            fs = group["freeze_step"]
+            warm, comp = _split(b, lambda t, fs=fs: t <= fs)
+            refresh, comp = _split(comp, lambda t, g=group: self._refreshes(t, g))
             if warm.params:
                 # Step 1: a LANS step on the (uncompressed-averaged) gradient.
                 self._update(warm, group)
+            if refresh.params:
+                self._refresh(refresh, group)
             if comp.params:
                 # Step 2: launch every communication of the step before waiting for any.
                 stages.append((comp, group) + self._send(comp, group))
@@ -179,7 +219,7 @@ class OneBitLANS(LANS):
         ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None)."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        ds = adam_denominators(b, beta2, group["eps"], freeze_step=group["freeze_step"])
+        ds = self._denominators(b, group)
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
         est = self._estimates(b, d) if self.ef21 else None
         prev = None
@@ -200,6 +240,32 @@ class OneBitLANS(LANS):
             return list(sent), prev, ds, est
         return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, ds,
                 est)
+
+    def _denominators(self, b: Bucket, group: dict[str, Any]
+                      ) -> tuple[list[torch.Tensor], list[float]]:
+        """:func:`adam_denominators` of the frozen ``v``, bias-corrected at the step of its
+        last update (``freeze_step``, or the last refresh)."""
+        vsteps = [self.state[p].get("variance_step", group["freeze_step"]) for p in b.params]
+        return adam_denominators(dataclasses.replace(b, steps=vsteps), group["betas"][1],
+                                 group["eps"])
+
+    def _refresh(self, b: Bucket, group: dict[str, Any]) -> None:
+        """Step 4: a dense step on the uncompressed-averaged gradient that refreshes ``v``."""
+        beta1, beta2 = group["betas"]
+        g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
+        prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend else None
+        for p, v, gi, t in zip(b.params, b.exp_avg_sqs, g, b.steps):
+            st = self.state[p]
+            # the averaged gradient stands in for the k steps since v's last update
+            w = beta2 ** (t - st.get("variance_step", group["freeze_step"]))
+            v.mul_(w).addcmul_(gi, gi, value=1.0 - w)
+            st["variance_step"] = t
+        torch._foreach_lerp_(b.exp_avgs, g, 1.0 - beta1)
+        d, s = self._denominators(b, group)
+        if self.ef21:  # every worker holds the same m and d: the estimates restart exact
+            for p, m, di in zip(b.params, b.exp_avgs, d):
+                self.state[p]["ef21_estimate"] = m / di if self.precondition else m.clone()
+        self._momentum_update(b, group, prev, b.exp_avgs, d, s)
 
     def _estimates(self, b: Bucket, d: list[torch.Tensor] | None) -> list[torch.Tensor]:
         """The EF21 estimates of the bucket's tensors, created from the shared momentum (the

@@ -36,7 +36,7 @@ import torch
 from ..compress.spec import CodecSpec, parse_spec
 from ..optim import OneBitLANS
 from ..optim import clan as clan_optimizer
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, match_names
 
 __all__ = ["CLAN"]
 
@@ -55,7 +55,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
          eps: float = 1e-6, freeze_variance: bool = False,
          min_compress_bytes: int | None = 1 << 20,
          backward_passes_per_step: int = 1, nan_policy: str = "raise",
-         communicate: str = "momentum") -> torch.optim.Optimizer:
+         communicate: str = "momentum",
+         uncompressed_params: Iterable[str] = (),
+         refresh_every: int | None = None) -> torch.optim.Optimizer:
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
     Args:
@@ -91,6 +93,13 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             ``freeze_variance`` is implied) or ``"gradient"`` (the paper's CLAN: the two-way
             compressed gradient drives LANS without gradient normalisation). The evidence for
             the default is in the module docstring.
+        uncompressed_params: names or ``fnmatch`` patterns of parameters that always travel
+            uncompressed (fp32, exact), as in :func:`DistributedOptimizer`; with
+            ``"momentum"`` their momenta do. Keep a learned position embedding here
+            (``docs/convergence.md``, section 2.7).
+        refresh_every: ``"momentum"`` only: every this many steps after the warm-up, one
+            dense step refreshes the frozen second moment (``OneBitLANS(refresh_every=)``);
+            None (default): never.
     """
     if not isinstance(freeze_variance, bool):
         raise TypeError(f"freeze_variance must be a bool, got {freeze_variance!r}")
@@ -100,6 +109,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if ef == "ef21" and communicate != "momentum":
         raise ValueError("ef='ef21' needs communicate='momentum' (the optimizer keeps the shared "
                          f"estimate), got communicate={communicate!r}")
+    if refresh_every is not None and communicate != "momentum":
+        raise ValueError(f"refresh_every needs communicate='momentum' (the second moment is "
+                         f"frozen there), got communicate={communicate!r}")
     freezes = freeze_variance or communicate == "momentum"
     if freezes and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
         raise ValueError(f"freeze_variance=True or communicate='momentum' (the default) needs "
@@ -107,23 +119,27 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
                          f"starts), got warmup_steps={warmup_steps!r}; communicate='gradient' "
                          f"compresses from the first step")
     named = list(named_parameters)
+    dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
     if communicate == "momentum":
         return _momentum_clan(named, lr, compression, ef, warmup_steps, weight_decay, betas, eps,
-                              min_compress_bytes, backward_passes_per_step, nan_policy)
+                              min_compress_bytes, backward_passes_per_step, nan_policy, dense,
+                              refresh_every)
     opt = clan_optimizer([p for _, p in named], lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay,
                          freeze_step=warmup_steps if freeze_variance else None)
     return DistributedOptimizer(opt, named_parameters=named, compression=compression, ef=ef,
                                 min_compress_bytes=min_compress_bytes,
                                 backward_passes_per_step=backward_passes_per_step,
-                                nan_policy=nan_policy, warmup_steps=warmup_steps)
+                                nan_policy=nan_policy, warmup_steps=warmup_steps,
+                                uncompressed_params=sorted(dense))
 
 
 def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
                    compression: str | Mapping[str, Any] | CodecSpec, ef: str, warmup_steps: int,
                    weight_decay: float, betas: tuple[float, float], eps: float,
                    min_compress_bytes: int | None, backward_passes_per_step: int,
-                   nan_policy: str) -> torch.optim.Optimizer:
+                   nan_policy: str, dense: frozenset[str],
+                   refresh_every: int | None) -> torch.optim.Optimizer:
     """``communicate="momentum"``: OneBitLANS whose compression stage push_pulls momenta."""
     from ..api import push_pull_async
     from ..compress import build
@@ -134,17 +150,21 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
     build(spec, 4096)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
     groups: list[dict[str, Any]] = []           # the optimizer's, once built
+    # keys are positions in the optimizer's flat parameter order (one group: named's order)
+    exact = {str(i) for i, (n, _) in enumerate(named) if n in dense}
 
     def communicate(key: str, m: torch.Tensor) -> Any:
+        name = f"{prefix}.clan_m.{key}"
+        if key in exact:
+            return push_pull_async(m, name=name, average=True, compression="none")
         # corrected error feedback rescales the residuals by the change of the current lr
         step_lr = groups[0]["lr"] if ef == "corrected" else None
-        return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
-                               compression=spec, lr=step_lr,
+        return push_pull_async(m, name=name, average=True, compression=spec, lr=step_lr,
                                min_compress_bytes=min_compress_bytes)
 
     opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,
-                     communicate=communicate, ef21=ef21)
+                     communicate=communicate, ef21=ef21, refresh_every=refresh_every)
     groups.extend(opt.param_groups)
     # The wrapper averages dense gradients during the warm-up and stops once the optimizer's
     # compression_active turns true (it communicates momenta from then on).

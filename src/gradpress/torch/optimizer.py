@@ -33,6 +33,7 @@ With ``torch.amp.GradScaler``, follow the Horovod recipe::
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -41,7 +42,7 @@ import torch
 
 from ..compress.spec import CodecSpec, parse_spec
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "match_names"]
 
 log = logging.getLogger(__name__)
 NAN_POLICIES = ("raise", "skip")
@@ -53,7 +54,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         compression: str | Mapping[str, Any] | CodecSpec | None = "none", ef: str | None = None,
         momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
         backward_passes_per_step: int = 1, nan_policy: str = "raise",
-        warmup_steps: int = 0) -> torch.optim.Optimizer:
+        warmup_steps: int = 0, uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
     """Return ``optimizer`` turned into a distributed one (same class name, a subclass of it).
 
     Args:
@@ -73,6 +74,11 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             skipped on all workers; use this with AMP).
         warmup_steps: the first this many ``step()`` calls communicate uncompressed gradients;
             compression (and error feedback) starts after them.
+        uncompressed_params: names or ``fnmatch`` patterns (``"pos.weight"``, ``"*.bias"``) of
+            parameters whose gradients always travel uncompressed (fp32, exact), whatever their
+            size; each pattern must match a name. A model's learned position embedding is the
+            usual candidate (``docs/convergence.md``, section 2.7): small in a large model, but
+            one-bit compression of it delayed a small transformer's use of context.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "
@@ -84,7 +90,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     obj._gp_init(named_parameters, compression, ef, momentum, mu, min_compress_bytes,
-                 backward_passes_per_step, nan_policy)
+                 backward_passes_per_step, nan_policy, uncompressed_params)
     obj._gp_warmup = warmup_steps
     obj._gp_steps = 0
     return obj
@@ -102,7 +108,7 @@ class _Distributed:
 
     def _gp_init(self, named_parameters: Iterable[tuple[str, Any]] | None, compression: Any,
                  ef: str | None, momentum: str | None, mu: float, min_compress_bytes: int | None,
-                 passes: int, nan_policy: str) -> None:
+                 passes: int, nan_policy: str, uncompressed: Iterable[str]) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         if nan_policy not in NAN_POLICIES:
@@ -122,6 +128,8 @@ class _Distributed:
         self._gp_passes = passes
         self._gp_nan = nan_policy
         self._gp_names = _param_names(self.param_groups, named_parameters)
+        exact = match_names(self._gp_names.values(), uncompressed, "uncompressed_params")
+        self._gp_dense = {p for p, n in self._gp_names.items() if n in exact}
         self._gp_lr = {p: g for g in self.param_groups for p in g["params"]}
         self._gp_counts: dict[torch.Tensor, int] = {}
         self._gp_handles: dict[torch.Tensor, Any] = {}
@@ -131,8 +139,9 @@ class _Distributed:
         self._gp_hooks = [p.register_post_accumulate_grad_hook(self._gp_hook)
                           for p in self._gp_names if p.requires_grad]
         log.info("DistributedOptimizer(%s): %d tensors, compression=%s, min_compress_bytes=%s, "
-                 "backward_passes_per_step=%d, nan_policy=%s", type(self).__name__,
-                 len(self._gp_hooks), self._gp_spec, min_compress_bytes, passes, nan_policy)
+                 "backward_passes_per_step=%d, nan_policy=%s, uncompressed_params=%s",
+                 type(self).__name__, len(self._gp_hooks), self._gp_spec, min_compress_bytes,
+                 passes, nan_policy, sorted(exact))
 
     # -- hooks ----------------------------------------------------------------------------------
     def _gp_hook(self, p: torch.Tensor) -> None:  # step 1
@@ -157,6 +166,10 @@ class _Distributed:
         if self._gp_nan == "skip" and not bool(torch.isfinite(grad).all()):
             self._gp_nonfinite = True
             grad = torch.zeros_like(grad)
+        if p in self._gp_dense:  # chosen by name: always uncompressed, under its own name
+            self._gp_handles[p] = api.push_pull_async(
+                grad, self._gp_names[p], average=True, compression="none", out=_in_place(grad))
+            return
         if self._gp_steps < self._gp_warmup:  # uncompressed warm-up: separate dense keys
             self._gp_handles[p] = api.push_pull_async(
                 grad, self._gp_names[p] + "@dense", average=True, compression="none",
@@ -275,3 +288,26 @@ def _param_names(groups: list[dict[str, Any]], named: Iterable[tuple[str, Any]] 
         raise ValueError(f"{len(missing)} optimizer parameter(s) (indices {missing[:5]}) are not "
                          "in named_parameters; pass model.named_parameters() of the same model")
     return {p: by_param[p] for p in params}
+
+
+def match_names(names: Iterable[str], patterns: Iterable[str], what: str) -> frozenset[str]:
+    """The names matched by any of ``patterns`` (exact names or ``fnmatch`` patterns).
+
+    Raises:
+        TypeError: ``patterns`` is a single string or holds a non-string.
+        ValueError: a pattern matches no name (the message names it and lists some names).
+    """
+    if isinstance(patterns, str):
+        raise TypeError(f"{what} must be a collection of names or patterns, got the string "
+                        f"{patterns!r}; write [{patterns!r}]")
+    names = list(names)
+    out: set[str] = set()
+    for pat in patterns:
+        if not isinstance(pat, str):
+            raise TypeError(f"{what} must hold strings, got {pat!r}")
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(f"{what}: {pat!r} matches no parameter name; names are: {shown}")
+        out.update(hits)
+    return frozenset(out)

@@ -93,6 +93,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
       help="onebit-lans: compress the momentum itself, not divided by sqrt(v)")
     a("--sends", default="momentum", metavar="WHAT",
       help="onebit-lans: what travels after the warm-up, momentum or gradient (momentum)")
+    a("--refresh-every", type=int, metavar="N",
+      help="onebit-lans: every N steps after the warm-up, one dense step refreshes the frozen "
+           "second moment (default: never)")
     a("--uncompressed-steps", type=int,
       help="first N steps send uncompressed gradients (default: the optimizer's, "
            "docs/convergence.md)")
@@ -101,6 +104,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                                   "(default: theirs, 0.999)")
     a("--min-compress-bytes", type=int, default=16 << 10,
       help="smaller gradients travel uncompressed (default 16384)")
+    a("--uncompressed-params", nargs="+", default=[], metavar="NAME",
+      help="parameters (names or fnmatch patterns, e.g. pos.weight) whose gradients or "
+           "momenta always travel uncompressed")
     a("--eval-every", type=int, help="evaluate every N steps (default: every epoch)")
     a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
     a("--name", default="run", help="run name (tensor names, reports; default run)")
@@ -124,11 +130,25 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,
         blend=not args.no_blend, precondition=not args.no_precondition,
-        sends=args.sends,
+        sends=args.sends, refresh_every=args.refresh_every,
         uncompressed_steps=args.uncompressed_steps,
         momentum=args.momentum, beta2=args.beta2, min_compress_bytes=args.min_compress_bytes,
+        uncompressed_params=tuple(args.uncompressed_params),
         eval_every=args.eval_every, seed=args.seed, out=args.out,
         progress=not args.no_progress)
+
+
+def _check_param_names(cfg: TrainConfig) -> None:
+    """A bundled task's ``--uncompressed-params`` must name its parameters: checked on a model
+    built here, before any process starts (script mode checks in the workers)."""
+    if not cfg.task or not cfg.uncompressed_params:
+        return
+    from ..tasks import get_task
+    from ..torch.optimizer import match_names
+
+    model = get_task(cfg.task).build_model(cfg.seed)
+    match_names([n for n, p in model.named_parameters() if p.requires_grad],
+                cfg.uncompressed_params, "--uncompressed-params")
 
 
 def _launch(runs: Sequence[TrainConfig], plan: Path, script: tuple[str, ...] = ()) -> int:
@@ -190,6 +210,7 @@ def _uninterrupted() -> Iterator[None]:
 def run_train(args: argparse.Namespace) -> int:
     """``gradpress train``: validate, launch, report; returns the exit status."""
     cfg = _train_config(args)
+    _check_param_names(cfg)
     out = prepare_out_dir(cfg.out)
     cfg = cfg.replace(out=str(out))
     t0 = time.perf_counter()

@@ -123,6 +123,9 @@ class TrainConfig:
     #: ``onebit-lans``: what travels after the warm-up, ``momentum`` or ``gradient``
     #: (``OneBitLANS(sends=)``).
     sends: str = "momentum"
+    #: ``onebit-lans``: every this many steps after the warm-up, one dense step refreshes the
+    #: frozen second moment (``OneBitLANS(refresh_every=)``); None: never.
+    refresh_every: int | None = None
     #: First steps whose gradients travel uncompressed (``DistributedOptimizer(warmup_steps=)``);
     #: None: :data:`DEFAULT_UNCOMPRESSED_STEPS` of the optimizer (0 if absent). Not for
     #: ``sgd-ef``, ``onebit-adam`` and ``onebit-lans`` (the last two have ``freeze_step``).
@@ -136,6 +139,10 @@ class TrainConfig:
     #: Gradients smaller than this many bytes travel uncompressed (16 KiB: the bundled tasks'
     #: large weight tensors are compressed, norms and biases are not).
     min_compress_bytes: int = 16 << 10
+    #: Names or ``fnmatch`` patterns of the model's parameters (``model.named_parameters()``
+    #: names, e.g. ``pos.weight``) that always travel uncompressed, whatever their size; each
+    #: must match a parameter (checked when the model is built).
+    uncompressed_params: tuple[str, ...] = ()
     #: Evaluate every this many steps; None: after every epoch. The end is always evaluated.
     eval_every: int | None = None
     #: Seed of the model initialisation and of the data order.
@@ -149,7 +156,8 @@ class TrainConfig:
         self._check_what()
         for name in ("workers", "servers"):
             _positive_int(self, name, optional=False)
-        for name in ("epochs", "steps", "batch_size", "freeze_step", "eval_every"):
+        for name in ("epochs", "steps", "batch_size", "freeze_step", "eval_every",
+                     "refresh_every"):
             _positive_int(self, name)
         _positive_int(self, "warmup_steps", lo=0)
         _positive_int(self, "uncompressed_steps", lo=0)
@@ -167,6 +175,9 @@ class TrainConfig:
             if not flag and self.optimizer != "onebit-lans":
                 raise ValueError(f"TrainConfig.{name}=False is for onebit-lans, got optimizer "
                                  f"{self.optimizer!r}")
+        if self.refresh_every is not None and self.optimizer != "onebit-lans":
+            raise ValueError(f"TrainConfig.refresh_every is for onebit-lans, got "
+                             f"{self.refresh_every} with optimizer {self.optimizer!r}")
         if self.sends not in ("momentum", "gradient"):
             raise ValueError(f"TrainConfig.sends must be momentum or gradient, got "
                              f"{self.sends!r}")
@@ -191,6 +202,10 @@ class TrainConfig:
         _choice(self, "schedule", SCHEDULES, "schedule")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"TrainConfig.out must be a non-empty path, got {self.out!r}")
+        if not isinstance(self.uncompressed_params, tuple) or not all(
+                isinstance(n, str) and n for n in self.uncompressed_params):
+            raise ValueError(f"TrainConfig.uncompressed_params must be a tuple of non-empty "
+                             f"names or patterns, got {self.uncompressed_params!r}")
         if not isinstance(self.progress, bool):
             raise ValueError(f"TrainConfig.progress must be a bool, got {self.progress!r}")
         self._check_codec()
@@ -246,6 +261,7 @@ class TrainConfig:
         """A JSON-friendly dict (``script`` as a list)."""
         d = dataclasses.asdict(self)
         d["script"] = list(self.script)
+        d["uncompressed_params"] = list(self.uncompressed_params)
         return d
 
     @classmethod
@@ -257,8 +273,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: unknown field(s) {', '.join(unknown)}; valid: "
                              f"{', '.join(sorted(names))}")
         kw = dict(d)
-        if "script" in kw:
-            kw["script"] = tuple(kw["script"])
+        for key in ("script", "uncompressed_params"):
+            if key in kw:
+                kw[key] = tuple(kw[key])
         return cls(**kw)
 
     def replace(self, **changes: Any) -> TrainConfig:

@@ -41,7 +41,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,12 +103,13 @@ def lr_factor(step: int, warmup: int, total: int | None, schedule: str) -> float
 
 
 def codec_ratios(named: list[tuple[str, torch.Tensor]], spec: str, min_compress_bytes: int,
-                 partition_bytes: int) -> dict[str, Any]:
+                 partition_bytes: int, exact: Collection[str] = ()) -> dict[str, Any]:
     """Bytes on the wire per step from the codecs' ``payload_bytes`` (one direction).
 
     Tensors of at least ``min_compress_bytes`` are cut into chunks of ``partition_bytes`` and
-    each chunk costs the codec's payload; smaller ones (and all with codec ``none``) cost a
-    ``none`` payload (fp32 + header) and do not count as compressed tensors.
+    each chunk costs the codec's payload; smaller ones, those named in ``exact`` (and all with
+    codec ``none``) cost a ``none`` payload (fp32 + header) and do not count as compressed
+    tensors.
     """
     from ..compress import build
     from ..compress.spec import parse_spec
@@ -116,9 +117,9 @@ def codec_ratios(named: list[tuple[str, torch.Tensor]], spec: str, min_compress_
 
     comp_dense = comp_wire = model_dense = model_wire = ncomp = 0
     dense_only = parse_spec(spec).name == "none"
-    for _, p in named:
+    for name, p in named:
         numel = p.numel()
-        small = dense_only or 4 * numel < min_compress_bytes
+        small = dense_only or 4 * numel < min_compress_bytes or name in exact
         chunks = chunk_layout(numel, partition_bytes)
         wire = sum(build("none" if small else spec, c.numel).payload_bytes for c in chunks)
         model_dense, model_wire = model_dense + 4 * numel, model_wire + wire
@@ -169,6 +170,8 @@ class Session:
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self._step_stage = dict.fromkeys(STAGES, 0.0)
         self._named: list[tuple[str, torch.Tensor]] = []
+        self._exact: frozenset[str] = frozenset()   # names that always travel uncompressed
+        self._exact_keys: set[str] = set()          # their 1-bit Adam/LANS momentum keys
         self._created = self._t0 = self._last_t = time.perf_counter()
         self._last_stats = self._stats()
         self._started = False
@@ -197,14 +200,19 @@ class Session:
         """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``."""
         import gradpress as gp
         from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS, clan
+        from gradpress.torch.optimizer import match_names
 
         cfg, hp = self.cfg, self.hparams
-        self._named = [(f"{cfg.name}.{n}", p) for n, p in model.named_parameters()
-                       if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._named = [(f"{cfg.name}.{n}", p) for n, p in named]
+        exact = match_names([n for n, _ in named], cfg.uncompressed_params,
+                            "--uncompressed-params")
+        self._exact = frozenset(f"{cfg.name}.{n}" for n in exact)
         lr, wd, groups = hp["lr"], hp["weight_decay"], _param_groups(model, hp["weight_decay"])
         wrap: dict[str, Any] = {"compression": cfg.compression, "ef": cfg.effective_ef,
                                 "min_compress_bytes": cfg.min_compress_bytes,
-                                "warmup_steps": hp.get("uncompressed_steps", 0)}
+                                "warmup_steps": hp.get("uncompressed_steps", 0),
+                                "uncompressed_params": sorted(self._exact)}
         if cfg.optimizer == "clan":
             opt = clan(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                        freeze_step=hp["freeze_step"])
@@ -227,13 +235,17 @@ class Session:
             opt = OneBitLANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"], blend=cfg.blend,
                              precondition=cfg.precondition, sends=cfg.sends,
-                             ef21=cfg.ef == "ef21")
+                             ef21=cfg.ef == "ef21", refresh_every=cfg.refresh_every)
         else:
             opt = OneBitAdam(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"])
         if cfg.optimizer in ("onebit-adam", "onebit-lans"):
             opt.communicate = self._communicate_momentum
             wrap = {"compression": "none"}
+            # the momentum keys are positions in the optimizer's flat parameter order
+            names = {p: n for n, p in self._named}
+            flat = [p for g in opt.param_groups for p in g["params"]]
+            self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
         return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
@@ -242,6 +254,9 @@ class Session:
         """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
         import gradpress as gp
 
+        if key in self._exact_keys:
+            return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
+                                      compression="none")
         ef = self.cfg.effective_ef
         return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
                                   compression=self.cfg.compression, ef=ef,
@@ -370,7 +385,8 @@ class Session:
                "replicas_identical": same, **extra}
         if self._named:
             rec["codec"] = codec_ratios(self._named, self.cfg.compression,
-                                        self.cfg.min_compress_bytes, api.config().partition_bytes)
+                                        self.cfg.min_compress_bytes, api.config().partition_bytes,
+                                        exact=self._exact)
             rec["params"] = sum(p.numel() for _, p in self._named)
         self.writer.write(rec)
 
