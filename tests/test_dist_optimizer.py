@@ -160,6 +160,9 @@ WORKER = textwrap.dedent('''
     res["exact_first"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     m, _ = train("none1", 1, sgd, compression="none")
     res["none_1step"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    m, _ = train("momx", 4, sgd, compression="onebit", ef="vanilla", momentum="nesterov",
+                 mu=0.9, min_compress_bytes=0, uncompressed_params=["momx.*"])
+    res["exact_momentum"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
 ''')
@@ -210,6 +213,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
     assert torch.equal(w0["exact_all"], w0["none"])
+    # named tensors keep the worker-side momentum, as small tensors do
+    assert torch.equal(w0["exact_momentum"], w0["momentum_small"])
     first = 12 * 40 + 40  # layer 0 is exact after one step, layer 2 was compressed
     assert torch.equal(w0["exact_first"][:first], w0["none_1step"][:first])
     assert not torch.equal(w0["exact_first"][first:], w0["none_1step"][first:])

@@ -99,7 +99,9 @@ class OneBitLANS(LANS):
       the warm-up's gradients; when the gradients of some weights grow or shrink later (a
       transformer that starts to use its context), their steps are mis-scaled. Each refresh
       costs one dense step: ``K`` = 50 with a one-bit codec (32x) sends about 1.6x the bytes
-      of no refresh.
+      of no refresh. The codec's residuals, in units of the old ``m/d``, are not rescaled
+      when ``d`` changes. On stdlib-mlm it halved the frozen ``v``'s cost without compression
+      but did not help one-bit at 800 steps; at 1600 it did (``docs/convergence.md`` 2.7).
     * ``eps``, ``weight_decay``, ``min_trust``, ``max_trust``: as :class:`LANS`.
 
     Recipe (the same as :class:`OneBitAdam`): while :attr:`compression_active` is False the caller

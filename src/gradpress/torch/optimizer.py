@@ -47,6 +47,9 @@ __all__ = ["DistributedOptimizer", "match_names"]
 log = logging.getLogger(__name__)
 NAN_POLICIES = ("raise", "skip")
 _FLAG_NAME = "gradpress.nonfinite"
+#: A ``min_compress_bytes`` no tensor reaches: the tensor travels uncompressed (fp32, exact) and
+#: keeps the worker-side momentum of dist-EF-SGDM, as tensors below the threshold do.
+_EXACT = 1 << 62
 
 
 def DistributedOptimizer(  # noqa: N802  (factory named like the class it returns, as Horovod's)
@@ -166,18 +169,15 @@ class _Distributed:
         if self._gp_nan == "skip" and not bool(torch.isfinite(grad).all()):
             self._gp_nonfinite = True
             grad = torch.zeros_like(grad)
-        if p in self._gp_dense:  # chosen by name: always uncompressed, under its own name
-            self._gp_handles[p] = api.push_pull_async(
-                grad, self._gp_names[p], average=True, compression="none", out=_in_place(grad))
-            return
-        if self._gp_steps < self._gp_warmup:  # uncompressed warm-up: separate dense keys
+        exact = p in self._gp_dense  # chosen by name: travels as a small tensor does, exact
+        if self._gp_steps < self._gp_warmup and not exact:  # warm-up: separate dense keys
             self._gp_handles[p] = api.push_pull_async(
                 grad, self._gp_names[p] + "@dense", average=True, compression="none",
                 out=_in_place(grad))
             return
         self._gp_handles[p] = api.push_pull_async(
             grad, self._gp_names[p], average=True, compression=self._gp_spec,
-            lr=self._gp_lr[p]["lr"], min_compress_bytes=self._gp_min_bytes,
+            lr=self._gp_lr[p]["lr"], min_compress_bytes=_EXACT if exact else self._gp_min_bytes,
             out=_in_place(grad))
 
     # -- public ---------------------------------------------------------------------------------
