@@ -126,6 +126,37 @@ def test_corrected_ef_scales_residual_by_lr_ratio(spec):
     assert ef.state_dict()["lr_prev"] == 1.0
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_decayed_ef_identity(spec, backend):
+    ef, plain = make(spec, ef="vanilla:decay=0.5", backend=backend), make(spec, backend=backend)
+    e_prev = np.zeros(N)
+    for step, x in enumerate(grads(4)):
+        payload = ef.compress(x, key=KEY, step=step)
+        # p = x + 0.5 * e_prev: the halving is exact in float32, so p32 is one rounding
+        p32 = (f64(x) + 0.5 * e_prev).astype(np.float32).astype(np.float64)
+        assert_ef_identity(ef.residual, p32, f64(plain.decompress(payload, key=KEY, step=step)))
+        e_prev = f64(ef.residual)
+
+
+def test_decay_one_is_vanilla_and_kinds_are_checked():
+    from gradpress.compress import check_ef
+
+    a, b = make("onebit", ef="vanilla:decay=1"), make("onebit", ef="vanilla")
+    for step, x in enumerate(grads(3)):
+        assert torch.equal(a.compress(x, step=step), b.compress(x, step=step))
+    assert check_ef(" Vanilla : decay = 0.90 ") == "vanilla:decay=0.9"
+    assert check_ef("corrected") == "corrected"
+    for bad in ("vanilla:decay=1.5", "vanilla:decay=-0.1", "vanilla:decay=nan",
+                "vanilla:decay=x", "vanilla:dekay=0.5", "corrected:decay=0.5", "vanilla:"):
+        with pytest.raises(ValueError, match="'vanilla:decay=B' with B in \\[0, 1\\]"):
+            check_ef(bad)
+    state = make("onebit", ef="vanilla:decay=0.9").state_dict()
+    assert state["kind"] == "vanilla:decay=0.9"
+    with pytest.raises(ValueError, match="state is for kind 'vanilla:decay=0.9'"):
+        make("onebit", ef="vanilla").load_state_dict(state)
+
+
 @pytest.mark.parametrize("lr", [None, 0.0, -1.0, float("nan"), float("inf")])
 def test_corrected_ef_requires_positive_lr(lr):
     ef = make("trunc16", ef="corrected")

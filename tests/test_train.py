@@ -63,6 +63,9 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"optimizer": "onebit-lans", "uncompressed_steps": 5}, ["uncompressed_steps",
                                                             "'onebit-lans'"]),
     ({"uncompressed_params": "pos.weight"}, ["TrainConfig.uncompressed_params", "tuple"]),
+    ({"ef_decay": 1.5, "compression": "onebit"}, ["TrainConfig.ef_decay", ">= 0.0 and <= 1.0"]),
+    ({"ef_decay": 0.9, "ef": "corrected"}, ["TrainConfig.ef_decay", "ef='vanilla'",
+                                             "'corrected'"]),
     ({"uncompressed_params": ("pos.weight", "")}, ["TrainConfig.uncompressed_params", "''"]),
 ])
 def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
@@ -79,6 +82,8 @@ def test_config_round_trip_and_defaults() -> None:
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.effective_ef == "vanilla"
     assert TrainConfig(task="digits-cnn").effective_ef is None  # uncompressed: no residuals
+    assert TrainConfig(task="digits-cnn", compression="onebit",
+                       ef_decay=0.9).effective_ef == "vanilla:decay=0.9"
     assert TrainConfig(task="digits-cnn", compression="onebit", optimizer="onebit-lans",
                        ef="ef21").effective_ef is None  # the optimizer's estimate is the feedback
     with pytest.raises(ValueError, match="unknown field"):

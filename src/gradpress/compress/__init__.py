@@ -8,8 +8,8 @@ Families: ``none``/``fp16``/``bf16`` (:mod:`.cast`), ``onebit`` (:mod:`.onebit`)
 
 from .base import Codec
 from .header import HEADER_BYTES, Header, read_header
-from .registry import EF_KINDS, MOMENTUM_KINDS, build, codec_class, codec_names
+from .registry import EF_KINDS, MOMENTUM_KINDS, build, check_ef, codec_class, codec_names
 from .spec import CodecSpec, parse_spec
 
 __all__ = ["Codec", "HEADER_BYTES", "Header", "read_header", "build", "codec_class",
-           "codec_names", "CodecSpec", "parse_spec", "EF_KINDS", "MOMENTUM_KINDS"]
+           "codec_names", "CodecSpec", "parse_spec", "EF_KINDS", "MOMENTUM_KINDS", "check_ef"]

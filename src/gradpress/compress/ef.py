@@ -8,6 +8,10 @@ Kinds (design brief §3):
 * ``corrected`` (Zheng, Huang, Kwok 2019; the BytePS "corrected" EF): the residual lives in update
   units, so when the learning rate changes it is rescaled: p = x + (lr_prev / lr_now) * e; then
   as vanilla. ``lr`` is required and travels in the payload header.
+* ``vanilla:decay=B`` (B in [0, 1]): p = x + B * e; then as vanilla. The part of ``x`` not
+  delivered yet ages by ``B`` per step instead of being kept until it is sent; with ``B`` the
+  momentum coefficient of a compressed momentum (1-bit Adam / 1-bit LANS), the residual ages as
+  the momentum does (``docs/convergence.md``, section 2.7). ``B = 1`` is vanilla.
 * ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
   draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
 
@@ -35,7 +39,7 @@ import torch
 from .base import Codec
 from .header import HEADER_BYTES, Header, pack_header
 from .kernels.common import ef_args, fill_p
-from .registry import EF_KINDS
+from .registry import check_ef, split_ef
 
 __all__ = ["CodecWrapper", "ErrorFeedback"]
 
@@ -123,8 +127,9 @@ class ErrorFeedback(CodecWrapper):
 
     Args:
         codec: the codec whose compression error is fed back.
-        kind: ``"vanilla"``, ``"corrected"`` (``compress`` needs ``lr``) or ``"sparse"`` (only
-            for codecs that draw their indices from (seed, key, step), i.e. ``randomk``).
+        kind: ``"vanilla"``, ``"vanilla:decay=B"``, ``"corrected"`` (``compress`` needs
+            ``lr``) or ``"sparse"`` (only for codecs that draw their indices from
+            (seed, key, step), i.e. ``randomk``).
     """
 
     def __init__(self, codec: Codec, *, kind: str = "vanilla") -> None:
@@ -132,8 +137,8 @@ class ErrorFeedback(CodecWrapper):
         if isinstance(codec, ErrorFeedback):
             raise TypeError(f"codec {codec.spec_text!r} already has error feedback "
                             f"({codec.kind}); wrap the plain codec")
-        if kind not in EF_KINDS:
-            raise ValueError(f"unknown error-feedback kind {kind!r}; valid: {', '.join(EF_KINDS)}")
+        self.kind_text = check_ef(kind)  # ValueError listing the valid kinds
+        kind, self.decay = split_ef(self.kind_text)
         if kind == "sparse" and not callable(getattr(codec, "indices", None)):
             raise ValueError(f"ef='sparse' needs a codec that draws its indices from (seed, key, "
                              f"step) (randomk); codec {codec.name!r} does not")
@@ -144,7 +149,7 @@ class ErrorFeedback(CodecWrapper):
         self._loaded: torch.Tensor | None = None  # residual restored before the first compress
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.inner!r}, kind={self.kind!r})"
+        return f"ErrorFeedback({self.inner!r}, kind={self.kind_text!r})"
 
     @property
     def residual(self) -> torch.Tensor | None:
@@ -177,7 +182,7 @@ class ErrorFeedback(CodecWrapper):
             raise ValueError(f"{self.name} error feedback: lr must be a finite number > 0, "
                              f"got lr={lr!r}")
         if self.kind != "corrected":
-            return 1.0
+            return self.decay
         if lr is None:
             raise ValueError(f"corrected error feedback ({self.spec_text}) needs the current "
                              f"learning rate: pass lr > 0 to compress(), got lr=None")
@@ -197,7 +202,7 @@ class ErrorFeedback(CodecWrapper):
                 if r is not e:
                     self._e, self._spare = r, e
                 return
-        # 1. p = x + ratio * e   (ratio = lr_prev / lr_now for corrected EF, else 1)
+        # 1. p = x + ratio * e   (ratio = lr_prev / lr_now for corrected EF, else the decay)
         self._ef_input(flat, e, ratio, p)
         if self.nan_policy == "raise" and not inner.checks_finite:
             self._check_finite(p, h.key)
@@ -257,15 +262,15 @@ class ErrorFeedback(CodecWrapper):
     def state_dict(self) -> dict[str, Any]:
         """Residual (a CPU clone, or None before the first compress), lr_prev and inner state."""
         r = self.residual
-        return {"kind": self.kind, "residual": None if r is None else r.detach().cpu().clone(),
+        return {"kind": self.kind_text, "residual": None if r is None else r.detach().cpu().clone(),
                 "lr_prev": self.lr_prev, "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ValueError naming any mismatching key or shape."""
         _check_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"})
-        if state["kind"] != self.kind:
+        if state["kind"] != self.kind_text:
             raise ValueError(f"ErrorFeedback.load_state_dict: state is for kind "
-                             f"{state['kind']!r}, this codec has kind {self.kind!r}")
+                             f"{state['kind']!r}, this codec has kind {self.kind_text!r}")
         lr_prev = state["lr_prev"]
         if lr_prev is not None and (not isinstance(lr_prev, (int, float)) or not lr_prev > 0):
             raise ValueError(f"ErrorFeedback.load_state_dict: lr_prev must be None or > 0, "

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from .base import Codec
 from .spec import CodecSpec, parse_spec
 
-__all__ = ["register", "build", "codec_names", "codec_class", "EF_KINDS", "MOMENTUM_KINDS"]
+__all__ = ["register", "build", "codec_names", "codec_class", "EF_KINDS", "MOMENTUM_KINDS",
+           "check_ef", "split_ef"]
 
 _REGISTRY: dict[str, type[Codec]] = {}
 _FAMILY_MODULES = ("cast", "onebit", "sparse", "dithering")
@@ -105,7 +107,7 @@ def build(spec: str | Mapping[str, Any] | CodecSpec | None, numel: int, *, ef: s
     codec: Codec = cls(numel, params, spec=cs, seed=seed, nan_policy=nan_policy, backend=backend)
     if ef is not None:
         from .ef import ErrorFeedback
-        codec = ErrorFeedback(codec, kind=_checked("ef", ef, EF_KINDS))
+        codec = ErrorFeedback(codec, kind=check_ef(ef))
     if momentum is not None:
         from .momentum import NesterovMomentum
         _checked("momentum", momentum, MOMENTUM_KINDS)
@@ -113,6 +115,32 @@ def build(spec: str | Mapping[str, Any] | CodecSpec | None, numel: int, *, ef: s
     elif mu is not None:
         raise ValueError(f"mu={mu!r} given without momentum; pass momentum='nesterov'")
     return codec
+
+
+def check_ef(value: Any) -> str:
+    """The canonical error-feedback kind of ``value``: one of :data:`EF_KINDS`, or
+    ``"vanilla:decay=B"`` (residuals that decay by ``B`` in [0, 1] each step, see
+    :mod:`.ef`); ValueError naming the value otherwise."""
+    v = str(value).strip().lower().replace(" ", "")
+    base, sep, opt = v.partition(":")
+    if not sep:
+        return _checked("ef", value, EF_KINDS)
+    key, eq, num = opt.partition("=")
+    try:
+        decay = float(num) if base == "vanilla" and key == "decay" and eq else math.nan
+    except ValueError:
+        decay = math.nan
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"unknown ef {value!r}; valid: {', '.join(EF_KINDS)}, "
+                         f"'vanilla:decay=B' with B in [0, 1], or None")
+    return f"vanilla:decay={decay!r}"
+
+
+def split_ef(kind: str) -> tuple[str, float]:
+    """``(base kind, decay)`` of a kind :func:`check_ef` accepts (decay 1.0 unless given)."""
+    v = check_ef(kind)
+    base, _, opt = v.partition(":")
+    return base, float(opt.partition("=")[2]) if opt else 1.0
 
 
 def _checked(what: str, value: Any, valid: tuple[str, ...]) -> str:

@@ -72,8 +72,10 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
         compression: codec spec; ``"onebit"`` (32x) or ``"topk:k=0.001,values=fp16"`` (333x
             against fp16 in the paper's int32-index layout; about 440x on 4 MiB chunks with
             gradpress's default bit-packed indices) are the paper's settings.
-        ef: error feedback on workers and servers (``"vanilla"``; ``"corrected"`` scales the
-            residual by lr_prev/lr_now, useful with steep lr schedules). With
+        ef: error feedback on workers and servers (``"vanilla"``; ``"vanilla:decay=0.9"``
+            lets the residuals age as the momentum does, which helped 1-bit LANS on
+            stdlib-mlm, ``docs/convergence.md`` 2.7; ``"corrected"`` scales the residual by
+            lr_prev/lr_now, useful with steep lr schedules). With
             ``communicate="momentum"`` also ``"ef21"``: the workers send differences to a
             shared estimate of the averaged momentum and the codec keeps no residuals
             (``OneBitLANS(ef21=True)``).

@@ -65,8 +65,9 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         named_parameters: ``model.named_parameters()``; names key the tensors on all workers.
             Without it, names are ``group{g}.param{i}`` (same model on all workers required).
         compression: codec spec (``"onebit"``, ``"topk:k=0.001,values=fp16"``, a BytePS dict).
-        ef: error feedback: ``"vanilla"``, ``"corrected"`` (the group's lr travels with each
-            push), ``"sparse"`` (randomk) or None.
+        ef: error feedback: ``"vanilla"``, ``"vanilla:decay=B"`` (residuals decay by ``B``
+            per step), ``"corrected"`` (the group's lr travels with each push), ``"sparse"``
+            (randomk) or None.
         momentum: ``"nesterov"`` applies momentum before compression (dist-EF-SGDM); turn the
             optimizer's own momentum off then.
         mu: that momentum's coefficient.

@@ -74,6 +74,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
       help="codec spec, e.g. onebit, topk:k=0.001,values=fp16 (default none)")
     a("--ef", default="vanilla", metavar="KIND",
       help=f"error feedback: {', '.join(EF_CHOICES)} (default vanilla)")
+    a("--ef-decay", type=float, metavar="B",
+      help="with --ef vanilla: residuals decay by B each step (vanilla:decay=B; default: no "
+           "decay)")
     a("--optimizer", default="clan", metavar="NAME",
       help=f"{', '.join(OPTIMIZERS)} (default clan)")
     a("--lr", type=float, help="peak learning rate (default: the task's for the optimizer)")
@@ -125,7 +128,7 @@ def _script(args: argparse.Namespace) -> tuple[str, ...]:
 def _train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         name=args.name, task=args.task, script=_script(args), workers=args.workers,
-        servers=args.servers, compression=args.compression, ef=args.ef,
+        servers=args.servers, compression=args.compression, ef=args.ef, ef_decay=args.ef_decay,
         optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, steps=args.steps,
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,

@@ -44,17 +44,18 @@ def _positive_int(obj: Any, name: str, optional: bool = True, lo: int = 1) -> No
         raise ValueError(f"TrainConfig.{name} must be an int >= {lo}, got {v!r}")
 
 
-def _number(obj: Any, name: str, lo: float, *, strict: bool, hi: float | None = None) -> None:
+def _number(obj: Any, name: str, lo: float, *, strict: bool, hi: float | None = None,
+            closed: bool = False) -> None:
     v = getattr(obj, name)
     if v is None:
         return
     bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
     if not bad:
         bad = v <= lo if strict else v < lo
-        bad = bad or (hi is not None and v >= hi)
+        bad = bad or (hi is not None and (v > hi if closed else v >= hi))
     if bad:
         rng = f"> {lo}" if strict else f">= {lo}"
-        rng += f" and < {hi}" if hi is not None else ""
+        rng += f" and {'<=' if closed else '<'} {hi}" if hi is not None else ""
         raise ValueError(f"TrainConfig.{name} must be a finite number {rng}, got {v!r}")
 
 
@@ -92,6 +93,10 @@ class TrainConfig:
     #: differences to a shared estimate and the codec runs without residuals). Ignored when
     #: ``compression`` is ``none``.
     ef: str = "vanilla"
+    #: With ``ef='vanilla'``: residuals decay by this factor each step, ``p = x + ef_decay*e``
+    #: on workers and servers (``vanilla:decay=B``); None: they do not (1.0). 0.9, the
+    #: momentum's ``b1``, suits ``onebit-adam``/``onebit-lans`` (``docs/convergence.md`` 2.7).
+    ef_decay: float | None = None
     #: Optimizer (see :data:`OPTIMIZERS`).
     optimizer: str = "clan"
     #: Peak learning rate; None: the task's default for the optimizer family.
@@ -195,6 +200,10 @@ class TrainConfig:
                              f"{self.beta2} with optimizer 'sgd-ef'")
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         _choice(self, "ef", EF_CHOICES, "error feedback")
+        _number(self, "ef_decay", 0.0, strict=False, hi=1.0, closed=True)
+        if self.ef_decay is not None and self.ef != "vanilla":
+            raise ValueError(f"TrainConfig.ef_decay is for ef='vanilla', got {self.ef_decay} with "
+                             f"ef={self.ef!r}")
         if self.ef == "ef21" and self.optimizer != "onebit-lans":
             raise ValueError(f"TrainConfig.ef='ef21' is for onebit-lans (it needs an optimizer "
                              f"that keeps the shared estimate), got optimizer "
@@ -255,7 +264,9 @@ class TrainConfig:
     def effective_ef(self) -> str | None:
         """The codec's error feedback: None without compression, with ``ef='none'`` or with
         ``ef='ef21'`` (the optimizer's estimate is the feedback then)."""
-        return None if self.ef in ("none", "ef21") or not self.compressed else self.ef
+        if self.ef in ("none", "ef21") or not self.compressed:
+            return None
+        return self.ef if self.ef_decay is None else f"vanilla:decay={self.ef_decay!r}"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``script`` as a list)."""
