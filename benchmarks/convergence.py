@@ -65,6 +65,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pos-noblend": {"args": {"uncompressed-params": "pos.weight", "no-blend": True}},
     "decay": {"args": {"ef-decay": 0.9}},
     "pos-decay": {"args": {"uncompressed-params": "pos.weight", "ef-decay": 0.9}},
+    "pos-decay-r50": {"args": {"uncompressed-params": "pos.weight", "ef-decay": 0.9,
+                               "refresh-every": 50}},
     "warmup50": {"args": {"uncompressed-steps": 50}},
     "warmup100": {"args": {"uncompressed-steps": 100}},
     "warmup100-freeze": {"args": {"uncompressed-steps": 100, "freeze-step": 100}},

@@ -74,7 +74,8 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             gradpress's default bit-packed indices) are the paper's settings.
         ef: error feedback on workers and servers (``"vanilla"``; ``"vanilla:decay=0.9"``
             lets the residuals age as the momentum does, which helped 1-bit LANS on
-            stdlib-mlm, ``docs/convergence.md`` 2.7; ``"corrected"`` scales the residual by
+            stdlib-mlm only with the position embedding in ``uncompressed_params``,
+            ``docs/convergence.md`` 2.7; ``"corrected"`` scales the residual by
             lr_prev/lr_now, useful with steep lr schedules). With
             ``communicate="momentum"`` also ``"ef21"``: the workers send differences to a
             shared estimate of the averaged momentum and the codec keeps no residuals
