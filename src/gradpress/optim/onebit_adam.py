@@ -143,9 +143,13 @@ class OneBitAdam(BucketedOptimizer):
         """
         for group in self.param_groups:
             for p in group["params"]:
-                if int(self.state.get(p, {}).get("step", 0)) >= group["freeze_step"]:
+                if self._compresses(int(self.state.get(p, {}).get("step", 0)) + 1, group):
                     return True
         return False
+
+    def _compresses(self, t: int, group: dict[str, Any]) -> bool:
+        """Whether a tensor's step ``t`` runs the compression stage: past the warm-up."""
+        return t > group["freeze_step"]
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)

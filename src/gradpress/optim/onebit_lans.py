@@ -157,18 +157,12 @@ class OneBitLANS(LANS):
         self.communicate = communicate
 
     communicate = OneBitAdam.communicate
+    compression_active = OneBitAdam.compression_active
 
-    @property
-    def compression_active(self) -> bool:
-        """True when the next ``step()`` runs the compression stage for some parameter: it is
-        past ``freeze_step`` and not a refresh step (step 4). While False the caller must
-        average the gradients uncompressed; while True hand local gradients."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                t = int(self.state.get(p, {}).get("step", 0)) + 1   # the coming step
-                if t > group["freeze_step"] and not self._refreshes(t, group):
-                    return True
-        return False
+    def _compresses(self, t: int, group: dict[str, Any]) -> bool:
+        """Whether a tensor's step ``t`` runs the compression stage: past the warm-up and not
+        a refresh step (step 4), which is dense."""
+        return t > group["freeze_step"] and not self._refreshes(t, group)
 
     def _refreshes(self, t: int, group: dict[str, Any]) -> bool:
         """Whether step ``t`` of a tensor is a variance-refresh step (step 4)."""

@@ -39,7 +39,7 @@ import torch
 from ..compress.spec import CodecSpec, parse_spec
 from ..optim import OneBitLANS
 from ..optim import clan as clan_optimizer
-from .optimizer import DistributedOptimizer, match_names
+from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
 
 __all__ = ["CLAN"]
 
@@ -160,13 +160,11 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
     exact = {str(i) for i, (n, _) in enumerate(named) if n in dense}
 
     def communicate(key: str, m: torch.Tensor) -> Any:
-        name = f"{prefix}.clan_m.{key}"
-        if key in exact:
-            return push_pull_async(m, name=name, average=True, compression="none")
         # corrected error feedback rescales the residuals by the change of the current lr
         step_lr = groups[0]["lr"] if ef == "corrected" else None
-        return push_pull_async(m, name=name, average=True, compression=spec, lr=step_lr,
-                               min_compress_bytes=min_compress_bytes)
+        limit = ALWAYS_EXACT if key in exact else min_compress_bytes
+        return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
+                               compression=spec, lr=step_lr, min_compress_bytes=limit)
 
     opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,

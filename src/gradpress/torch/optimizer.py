@@ -42,14 +42,15 @@ import torch
 
 from ..compress.spec import CodecSpec, parse_spec
 
-__all__ = ["DistributedOptimizer", "match_names"]
+__all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
 
 log = logging.getLogger(__name__)
 NAN_POLICIES = ("raise", "skip")
 _FLAG_NAME = "gradpress.nonfinite"
 #: A ``min_compress_bytes`` no tensor reaches: the tensor travels uncompressed (fp32, exact) and
-#: keeps the worker-side momentum of dist-EF-SGDM, as tensors below the threshold do.
-_EXACT = 1 << 62
+#: keeps the worker-side momentum of dist-EF-SGDM, as tensors below the threshold do. How the
+#: ``uncompressed_params`` travel, here and in the 1-bit optimizers' momentum push_pulls.
+ALWAYS_EXACT = 1 << 62
 
 
 def DistributedOptimizer(  # noqa: N802  (factory named like the class it returns, as Horovod's)
@@ -178,7 +179,8 @@ class _Distributed:
             return
         self._gp_handles[p] = api.push_pull_async(
             grad, self._gp_names[p], average=True, compression=self._gp_spec,
-            lr=self._gp_lr[p]["lr"], min_compress_bytes=_EXACT if exact else self._gp_min_bytes,
+            lr=self._gp_lr[p]["lr"],
+            min_compress_bytes=ALWAYS_EXACT if exact else self._gp_min_bytes,
             out=_in_place(grad))
 
     # -- public ---------------------------------------------------------------------------------

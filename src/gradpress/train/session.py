@@ -253,15 +253,15 @@ class Session:
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
         """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
         import gradpress as gp
+        from gradpress.torch.optimizer import ALWAYS_EXACT
 
-        if key in self._exact_keys:
-            return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
-                                      compression="none")
         ef = self.cfg.effective_ef
+        exact = key in self._exact_keys  # named tensors travel as small tensors do
         return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
                                   compression=self.cfg.compression, ef=ef,
                                   lr=self._lr if ef == "corrected" else None,
-                                  min_compress_bytes=self.cfg.min_compress_bytes)
+                                  min_compress_bytes=ALWAYS_EXACT if exact
+                                  else self.cfg.min_compress_bytes)
 
     # -- stepping -------------------------------------------------------------------------------
     @contextlib.contextmanager
