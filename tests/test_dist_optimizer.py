@@ -83,13 +83,14 @@ WORKER = textwrap.dedent('''
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
                              ("onebit", "ef21", ()), ("onebit", "corrected", ()),
                              ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
-                             ("onebit", "vanilla:decay=0.9", ())):
+                             ("onebit", "vanilla:decay=0.9", ()), ("onebit", "local", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{ef}".replace(":decay=0.9", "_decay")
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
                       warmup_steps=1, min_compress_bytes=0, compression=codec,
                       ef=ef if ef in EFS else "vanilla", uncompressed_params=exact,
-                      refresh_every=2 if ef == "refresh" else None)
+                      refresh_every=2 if ef == "refresh" else None,
+                      variance="local" if ef == "local" else "frozen")
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
@@ -215,6 +216,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert not torch.equal(w0["clanm_onebit_vanilla_decay"], w0["clanm_onebit"])
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
+    # each worker's own v from its own gradient; the replicas stay identical (checked above)
+    assert bool(w0["clanm_onebit_local_active"])
+    assert not torch.equal(w0["clanm_onebit_local"], w0["clanm_onebit"])
     assert torch.equal(w0["exact_all"], w0["none"])
     # named tensors keep the worker-side momentum, as small tensors do
     assert torch.equal(w0["exact_momentum"], w0["momentum_small"])

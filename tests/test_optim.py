@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 import pytest
@@ -470,6 +471,79 @@ def test_onebit_lans_refresh_every_step_is_lans(blend):
         assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
     for p, q in zip(a, b):
         torch.testing.assert_close(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def _local_variance_reference(params, seq, fs, blend, lr=0.01, wd=0.01, b1=0.9, b2=0.999,
+                              eps=1e-6):
+    """Float64 1-bit LANS with a local v and an identity link (step 5): LANS for the first
+    ``fs`` steps, then ``a = m/d`` with ``v`` still updated, the blend from two ``a``."""
+    ref = LANS(params, lr=lr, weight_decay=wd, fused=False)
+    run(ref, params, seq[:fs])
+    a_prev = {}
+    for t, grads in enumerate(seq[fs:], start=fs + 1):
+        for i, (x, gr) in enumerate(zip(params, grads)):
+            st, x = ref.state[x], x.detach()
+            g = gr / gr.norm() if gr.norm() > 0 else gr
+            if i not in a_prev:   # the warm-up's m/d, bias-corrected at fs
+                s_fs = math.sqrt(1 - b2 ** fs)
+                a_prev[i] = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + eps * s_fs)
+            st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+            st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+            s = math.sqrt(1 - b2 ** t)
+            a = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + eps * s)
+            r = a * s / (1 - b1 ** t) + wd * x
+            q = lambda u: x.norm() / u.norm() if x.norm() > 0 and u.norm() > 0 else 1.0
+            if blend:
+                c = (a - b1 * a_prev[i]) * s / (1 - b1) + wd * x
+                x -= lr * b1 * q(r) * r + lr * (1 - b1) * q(c) * c
+            else:
+                x -= lr * q(r) * r
+            a_prev[i] = a
+
+
+@pytest.mark.parametrize("blend", [True, False])
+def test_onebit_lans_local_variance_lossless_matches_reference(blend):
+    a, b = make_params(), make_params()
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, variance="local",
+                      blend=blend)
+    seq = make_grads(steps=6)
+    seq[2][1] = seq[3][1].clone()      # every tensor at the same step (as in a distributed run)
+    run(ours, a, seq)
+    _local_variance_reference(b, seq, 2, blend)
+    assert ours.compression_active
+    assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
+
+
+def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_its_units():
+    params = make_params()
+    calls, communicate = halving_recorder()
+    opt = OneBitLANS(params, lr=0.01, weight_decay=0.01, freeze_step=1, variance="local",
+                     communicate=communicate)
+    seq = make_grads(steps=3)
+    seq[2][1] = seq[1][1].clone()
+    run(opt, params, seq)
+    assert [k for k, _ in calls] == ["0", "1", "2", "3"] * 2
+    for i, p in enumerate(params):
+        st = opt.state[p]
+        d = st["exp_avg_sq"].sqrt() + 1e-6 * math.sqrt(1 - 0.999 ** 3)
+        sent = calls[4 + i][1]
+        torch.testing.assert_close(st["shared_momentum"], 0.5 * sent)   # what came back
+        torch.testing.assert_close(st["exp_avg"], 0.5 * sent * d)      # m = a*d, local units
+    restored = OneBitLANS(make_params(), freeze_step=1, variance="local")
+    restored.load_state_dict(opt.state_dict())
+    assert "shared_momentum" in restored.state[restored.param_groups[0]["params"][0]]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"variance": "live"}, "variance must be one of frozen, local, got 'live'"),
+    ({"variance": "local", "precondition": False}, "got precondition=False"),
+    ({"variance": "local", "sends": "gradient"}, "got sends='gradient'"),
+    ({"variance": "local", "ef21": True}, "got ef21=True"),
+    ({"variance": "local", "refresh_every": 5}, "got refresh_every=5"),
+])
+def test_onebit_lans_rejects_bad_variance(kwargs, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        OneBitLANS(make_params(), **kwargs)
 
 
 def test_onebit_lans_refresh_step_updates_v_for_the_skipped_steps():

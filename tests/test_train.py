@@ -67,6 +67,11 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"ef_decay": 0.9, "ef": "corrected"}, ["TrainConfig.ef_decay", "ef='vanilla'",
                                              "'corrected'"]),
     ({"uncompressed_params": ("pos.weight", "")}, ["TrainConfig.uncompressed_params", "''"]),
+    ({"optimizer": "onebit-lans", "variance": "live"}, ["TrainConfig.variance", "frozen or local",
+                                                        "'live'"]),
+    ({"variance": "local"}, ["TrainConfig.variance='local'", "onebit-lans", "'clan'"]),
+    ({"optimizer": "onebit-lans", "variance": "local", "refresh_every": 50},
+     ["TrainConfig.variance='local'", "refresh_every=50"]),
 ])
 def test_config_rejects_bad_input(kw: dict, words: list[str]) -> None:
     base = {"task": "digits-cnn"}

@@ -28,10 +28,12 @@ from ._common import (
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam, _split, received
 
-__all__ = ["OneBitLANS", "SENDS"]
+__all__ = ["OneBitLANS", "SENDS", "VARIANCES"]
 
 #: What :class:`OneBitLANS` communicates in its compression stage.
 SENDS = ("momentum", "gradient")
+#: How :class:`OneBitLANS` keeps the second moment in its compression stage.
+VARIANCES = ("frozen", "local")
 
 
 class OneBitLANS(LANS):
@@ -70,6 +72,18 @@ class OneBitLANS(LANS):
        was last updated, ``k`` of them: ``v = b2^k*v + (1-b2^k)*g*g``, whose bias correction
        is then ``1-b2^t`` as in LANS; the update is step 3's with this ``m`` and ``v``. The
        EF21 estimates are reset to the (shared) new ``m/d``.
+    5. Local variance (``variance="local"``, instead of step 2's frozen ``v``): each worker
+       keeps updating its own ``v = b2*v + (1-b2)*g*g`` from its local (normalised) gradient,
+       bias-corrected at ``t`` as in LANS, and sends its momentum divided by its own
+       ``d = sqrt(vh)+eps``. What comes back, ``a``, the average of the workers' ``m/d``, is
+       the same on every worker: the update is step 3's with ``r = a*sb + wd*x`` and, with
+       ``blend``, ``c = (a - b1*a_prev)*s/(1-b1) + wd*x`` (``a_prev`` the last step's ``a``,
+       kept in the state as ``shared_momentum``; ``sb``, ``s`` the bias corrections), so the
+       replicas stay identical; each worker's momentum becomes ``m = a*d`` in its own units.
+       With per-layer gradient normalisation a local gradient has the same norm as the
+       averaged one, so the local ``v`` stays on the warm-up's scale; unlike a frozen ``v``
+       it follows the gradients as they change, which keeps ``m/d`` (what the codec sees)
+       even, at no cost on the wire.
 
     Tuning advice:
 
@@ -95,6 +109,10 @@ class OneBitLANS(LANS):
     * ``blend``: True keeps LANS's update after the warm-up; ``gh`` carries the codec's error of
       one step amplified by ``1/(1-b1)`` (error feedback cancels it over the next steps), which
       its trust ratio ``q_c`` then damps. False uses the momentum direction alone.
+    * ``variance``: ``"frozen"`` (1-bit Adam's and 1-bit LAMB's choice) or ``"local"``
+      (step 5, needs ``precondition``, ``sends="momentum"``, no ``ef21``, no refresh).
+      On stdlib-mlm at 1600 steps the local variance took a third off one-bit's gap with no
+      extra bytes (``docs/convergence.md`` 2.8).
     * ``refresh_every``: None (``v`` stays frozen, as 1-bit Adam). A frozen ``v`` remembers
       the warm-up's gradients; when the gradients of some weights grow or shrink later (a
       transformer that starts to use its context), their steps are mis-scaled. Each refresh
@@ -122,6 +140,7 @@ class OneBitLANS(LANS):
             codec must then run without error feedback.
         refresh_every: None, or an int >= 1: every this many compression-stage steps, one
             dense step refreshes ``v`` (step 4).
+        variance: ``"frozen"`` or ``"local"`` (step 5).
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
 
@@ -138,7 +157,8 @@ class OneBitLANS(LANS):
                  fused: bool | None = None, freeze_step: int = 100,
                  communicate: Communicate | None = None, blend: bool = True,
                  precondition: bool = True, sends: str = "momentum",
-                 ef21: bool = False, refresh_every: int | None = None) -> None:
+                 ef21: bool = False, refresh_every: int | None = None,
+                 variance: str = "frozen") -> None:
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
         for name, flag in (("blend", blend), ("precondition", precondition), ("ef21", ef21)):
@@ -151,6 +171,7 @@ class OneBitLANS(LANS):
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
         self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
+        self.variance = _check_variance(variance, self)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          normalize_grad=normalize_grad, min_trust=min_trust,
                          max_trust=max_trust, fused=fused, freeze_step=freeze_step)
@@ -196,6 +217,9 @@ class OneBitLANS(LANS):
             if est is not None:
                 torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
                 got = est
+            if self.variance == "local":
+                self._local_update(b, group, got, prev, d, s)
+                continue
             if self.precondition:
                 got = torch._foreach_mul(got, d)        # back from x/d to x
             mom = b.exp_avgs
@@ -216,6 +240,8 @@ class OneBitLANS(LANS):
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         ds = self._denominators(b, group)
+        if self.variance == "local":
+            return self._send_local(b, group, g, ds[0])
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
         est = self._estimates(b, d) if self.ef21 else None
         prev = None
@@ -236,6 +262,34 @@ class OneBitLANS(LANS):
             return list(sent), prev, ds, est
         return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, ds,
                 est)
+
+    def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
+                    d_last: list[torch.Tensor]) -> tuple[list[Any], Any, Any, None]:
+        """Step 5 up to the communication: ``v`` and ``m`` from the local gradient, ``m/d``
+        sent; returns (pending, b1*a_prev or None, ``(d, s)``, None)."""
+        beta1, beta2 = group["betas"]
+        prev = None
+        if self.blend:  # a_prev; at the first compressed step the warm-up's (shared) m/d
+            prev = [self.state[p]["shared_momentum"] if "shared_momentum" in self.state[p]
+                    else m / d for p, m, d in zip(b.params, b.exp_avgs, d_last)]
+            prev = torch._foreach_mul(prev, beta1)
+        moments_(b, g, beta1, beta2)                       # this worker's own m and v
+        d, s = adam_denominators(b, beta2, group["eps"])   # bias-corrected at t, as LANS
+        sent = torch._foreach_div(b.exp_avgs, d)
+        if self._communicate is None:
+            return sent, prev, (d, s), None
+        return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev,
+                (d, s), None)
+
+    def _local_update(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
+                      prev: list[torch.Tensor] | None, d: list[torch.Tensor],
+                      s: list[float]) -> None:
+        """Step 5 after the communication: the update from the shared average ``a = got``."""
+        for p, m, a, di in zip(b.params, b.exp_avgs, got, d):
+            torch.mul(a, di, out=m)                 # this worker's momentum, in its units
+            if self.blend:
+                self.state[p]["shared_momentum"] = a.clone()
+        self._momentum_update(b, group, prev, got, None, s)
 
     def _denominators(self, b: Bucket, group: dict[str, Any]
                       ) -> tuple[list[torch.Tensor], list[float]]:
@@ -276,18 +330,20 @@ class OneBitLANS(LANS):
 
     @staticmethod
     def _momentum_update(b: Bucket, group: dict[str, Any], prev: list[torch.Tensor] | None,
-                         mom: list[torch.Tensor], d: list[torch.Tensor], s: list[float]) -> None:
+                         mom: list[torch.Tensor], d: list[torch.Tensor] | None,
+                         s: list[float]) -> None:
         """Step 3 with v frozen along the averaged momentum ``mom``; ``prev`` is
-        ``b1*m_prev`` (blend) or None (momentum only); ``d``, ``s`` the frozen denominators."""
+        ``b1*m_prev`` (blend) or None (momentum only); ``d``, ``s`` the frozen denominators
+        (``d`` None: ``mom`` and ``prev`` are divided by it already, step 5)."""
         beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
-        r = direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
-                      b.params, wd)
+        r = _direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
+                       b.params, wd)
         c = None
         if prev is not None:
             # gh = (m - b1*m_prev)/(1-b1): the averaged gradient, recovered from the momenta.
             gh = torch._foreach_sub(mom, prev)
-            c = direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
+            c = _direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
         xn = norms(b.params)
         dtype = b.params[0].dtype
         q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
@@ -297,3 +353,31 @@ class OneBitLANS(LANS):
         q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
         torch._foreach_addcmul_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
         torch._foreach_addcmul_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))
+
+
+def _direction(num: list[torch.Tensor], d: list[torch.Tensor] | None, scale: list[float],
+               params: list[torch.Tensor], wd: float) -> list[torch.Tensor]:
+    """:func:`direction`, or ``scale*num + wd*x`` where ``num`` is divided by ``d`` already."""
+    if d is not None:
+        return direction(num, d, scale, params, wd)
+    out = torch._foreach_mul(num, scale)
+    if wd != 0:
+        torch._foreach_add_(out, torch._foreach_mul(params, wd))
+    return out
+
+
+def _check_variance(variance: Any, opt: OneBitLANS) -> str:
+    """``variance`` if valid and compatible with the other options, else ValueError."""
+    if variance not in VARIANCES:
+        raise ValueError(f"variance must be one of {', '.join(VARIANCES)}, got {variance!r}")
+    if variance == "local":
+        clash = [name for name, bad in (("precondition=False", not opt.precondition),
+                                        (f"sends={opt.sends!r}", opt.sends != "momentum"),
+                                        ("ef21=True", opt.ef21),
+                                        (f"refresh_every={opt.refresh_every!r}",
+                                         opt.refresh_every is not None)) if bad]
+        if clash:
+            raise ValueError(f"variance='local' needs precondition=True, sends='momentum', "
+                             f"no ef21 and no refresh_every (the local v is never stale), "
+                             f"got {', '.join(clash)}")
+    return variance

@@ -60,7 +60,8 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
          backward_passes_per_step: int = 1, nan_policy: str = "raise",
          communicate: str = "momentum",
          uncompressed_params: Iterable[str] = (),
-         refresh_every: int | None = None) -> torch.optim.Optimizer:
+         refresh_every: int | None = None,
+         variance: str = "frozen") -> torch.optim.Optimizer:
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
     Args:
@@ -106,6 +107,10 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
         refresh_every: ``"momentum"`` only: every this many steps after the warm-up, one
             dense step refreshes the frozen second moment (``OneBitLANS(refresh_every=)``);
             None (default): never.
+        variance: ``"momentum"`` only: the second moment after the warm-up, ``"frozen"``
+            (1-bit Adam's) or ``"local"``: each worker keeps updating its own from its local
+            gradient and sends its momentum divided by it (``OneBitLANS(variance=)``; no
+            extra bytes; ``docs/convergence.md`` 2.8).
     """
     if not isinstance(freeze_variance, bool):
         raise TypeError(f"freeze_variance must be a bool, got {freeze_variance!r}")
@@ -115,6 +120,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if ef == "ef21" and communicate != "momentum":
         raise ValueError("ef='ef21' needs communicate='momentum' (the optimizer keeps the shared "
                          f"estimate), got communicate={communicate!r}")
+    if variance != "frozen" and communicate != "momentum":
+        raise ValueError(f"variance={variance!r} needs communicate='momentum' (the optimizer "
+                         f"keeps the second moment there), got communicate={communicate!r}")
     if refresh_every is not None and communicate != "momentum":
         raise ValueError(f"refresh_every needs communicate='momentum' (the second moment is "
                          f"frozen there), got communicate={communicate!r}")
@@ -129,7 +137,7 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if communicate == "momentum":
         return _momentum_clan(named, lr, compression, ef, warmup_steps, weight_decay, betas, eps,
                               min_compress_bytes, backward_passes_per_step, nan_policy, dense,
-                              refresh_every)
+                              refresh_every, variance)
     opt = clan_optimizer([p for _, p in named], lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay,
                          freeze_step=warmup_steps if freeze_variance else None)
@@ -145,7 +153,7 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
                    weight_decay: float, betas: tuple[float, float], eps: float,
                    min_compress_bytes: int | None, backward_passes_per_step: int,
                    nan_policy: str, dense: frozenset[str],
-                   refresh_every: int | None) -> torch.optim.Optimizer:
+                   refresh_every: int | None, variance: str) -> torch.optim.Optimizer:
     """``communicate="momentum"``: OneBitLANS whose compression stage push_pulls momenta."""
     from ..api import push_pull_async
     from ..compress import build
@@ -168,7 +176,8 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
 
     opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,
-                     communicate=communicate, ef21=ef21, refresh_every=refresh_every)
+                     communicate=communicate, ef21=ef21, refresh_every=refresh_every,
+                     variance=variance)
     groups.extend(opt.param_groups)
     # The wrapper averages dense gradients during the warm-up and stops once the optimizer's
     # compression_active turns true (it communicates momenta from then on).

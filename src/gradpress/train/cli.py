@@ -99,6 +99,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     a("--refresh-every", type=int, metavar="N",
       help="onebit-lans: every N steps after the warm-up, one dense step refreshes the frozen "
            "second moment (default: never)")
+    a("--variance", default="frozen", metavar="KIND",
+      help="onebit-lans: second moment after the warm-up, frozen or local (each worker's own, "
+           "from its local gradient; default frozen)")
     a("--uncompressed-steps", type=int,
       help="first N steps send uncompressed gradients (default: the optimizer's, "
            "docs/convergence.md)")
@@ -133,7 +136,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,
         blend=not args.no_blend, precondition=not args.no_precondition,
-        sends=args.sends, refresh_every=args.refresh_every,
+        sends=args.sends, refresh_every=args.refresh_every, variance=args.variance,
         uncompressed_steps=args.uncompressed_steps,
         momentum=args.momentum, beta2=args.beta2, min_compress_bytes=args.min_compress_bytes,
         uncompressed_params=tuple(args.uncompressed_params),

@@ -131,6 +131,9 @@ class TrainConfig:
     #: ``onebit-lans``: every this many steps after the warm-up, one dense step refreshes the
     #: frozen second moment (``OneBitLANS(refresh_every=)``); None: never.
     refresh_every: int | None = None
+    #: ``onebit-lans``: the second moment after the warm-up, ``frozen`` or ``local`` (each
+    #: worker keeps its own from its local gradient, ``OneBitLANS(variance=)``).
+    variance: str = "frozen"
     #: First steps whose gradients travel uncompressed (``DistributedOptimizer(warmup_steps=)``);
     #: None: :data:`DEFAULT_UNCOMPRESSED_STEPS` of the optimizer (0 if absent). Not for
     #: ``sgd-ef``, ``onebit-adam`` and ``onebit-lans`` (the last two have ``freeze_step``).
@@ -183,6 +186,18 @@ class TrainConfig:
         if self.refresh_every is not None and self.optimizer != "onebit-lans":
             raise ValueError(f"TrainConfig.refresh_every is for onebit-lans, got "
                              f"{self.refresh_every} with optimizer {self.optimizer!r}")
+        if self.variance not in ("frozen", "local"):
+            raise ValueError(f"TrainConfig.variance must be frozen or local, got "
+                             f"{self.variance!r}")
+        if self.variance != "frozen" and self.optimizer != "onebit-lans":
+            raise ValueError(f"TrainConfig.variance={self.variance!r} is for onebit-lans, got "
+                             f"optimizer {self.optimizer!r}")
+        if self.variance == "local" and (self.refresh_every is not None or not self.precondition
+                                         or self.sends != "momentum" or self.ef == "ef21"):
+            raise ValueError(f"TrainConfig.variance='local' needs precondition, sends='momentum', "
+                             f"no ef21 and no refresh_every, got refresh_every="
+                             f"{self.refresh_every}, precondition={self.precondition}, sends="
+                             f"{self.sends!r}, ef={self.ef!r}")
         if self.sends not in ("momentum", "gradient"):
             raise ValueError(f"TrainConfig.sends must be momentum or gradient, got "
                              f"{self.sends!r}")

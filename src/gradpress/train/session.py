@@ -235,7 +235,8 @@ class Session:
             opt = OneBitLANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"], blend=cfg.blend,
                              precondition=cfg.precondition, sends=cfg.sends,
-                             ef21=cfg.ef == "ef21", refresh_every=cfg.refresh_every)
+                             ef21=cfg.ef == "ef21", refresh_every=cfg.refresh_every,
+                             variance=cfg.variance)
         else:
             opt = OneBitAdam(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
                              freeze_step=hp["freeze_step"])
