@@ -83,6 +83,16 @@ def test_uncompressed_steps_option() -> None:
         TrainConfig(task="stdlib-mlm", uncompressed_steps=-1)
 
 
+def test_betas_option() -> None:
+    from gradpress.train.config import TrainConfig
+    from gradpress.train.session import resolve_hparams
+
+    cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="onebit-lans")
+    assert resolve_hparams(cfg, _Defaults(), 200)["betas"] == (0.9, 0.999)
+    hp = resolve_hparams(cfg.replace(beta1=0.95, beta2=0.99), _Defaults(), 200)
+    assert hp["betas"] == (0.95, 0.99)
+
+
 class _Defaults:
     weight_decay = 0.0
     warmup_steps = 0

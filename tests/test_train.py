@@ -56,6 +56,8 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"name": "a/b"}, ["TrainConfig.name"]),
     ({"optimizer": "adam", "freeze_step": 5}, ["TrainConfig.freeze_step", "clan, lans", "'adam'"]),
     ({"beta2": 1.0}, ["TrainConfig.beta2", ">= 0.0 and < 1.0"]),
+    ({"beta1": 1.0}, ["TrainConfig.beta1", ">= 0.0 and < 1.0"]),
+    ({"optimizer": "sgd-ef", "beta1": 0.95}, ["TrainConfig.beta1", "Adam-family", "'sgd-ef'"]),
     ({"optimizer": "sgd-ef", "beta2": 0.99}, ["TrainConfig.beta2", "Adam-family", "'sgd-ef'"]),
     ({"optimizer": "clan", "blend": False}, ["TrainConfig.blend=False", "onebit-lans", "'clan'"]),
     ({"optimizer": "onebit-lans", "precondition": 1}, ["TrainConfig.precondition", "bool"]),

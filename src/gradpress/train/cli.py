@@ -106,6 +106,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
       help="first N steps send uncompressed gradients (default: the optimizer's, "
            "docs/convergence.md)")
     a("--momentum", type=float, help="sgd-ef momentum (default: the task's)")
+    a("--beta1", type=float, help="first-moment decay of the Adam-family optimizers "
+                                  "(default: theirs, 0.9)")
     a("--beta2", type=float, help="second-moment decay of the Adam-family optimizers "
                                   "(default: theirs, 0.999)")
     a("--min-compress-bytes", type=int, default=16 << 10,
@@ -138,7 +140,8 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         blend=not args.no_blend, precondition=not args.no_precondition,
         sends=args.sends, refresh_every=args.refresh_every, variance=args.variance,
         uncompressed_steps=args.uncompressed_steps,
-        momentum=args.momentum, beta2=args.beta2, min_compress_bytes=args.min_compress_bytes,
+        momentum=args.momentum, beta1=args.beta1, beta2=args.beta2,
+        min_compress_bytes=args.min_compress_bytes,
         uncompressed_params=tuple(args.uncompressed_params),
         eval_every=args.eval_every, seed=args.seed, out=args.out,
         progress=not args.no_progress)

@@ -140,6 +140,10 @@ class TrainConfig:
     uncompressed_steps: int | None = None
     #: Momentum coefficient of ``sgd-ef`` (applied before compression); None: the task's.
     momentum: float | None = None
+    #: Decay of the first moment (``b1``) of the Adam-family optimizers (all but ``sgd-ef``);
+    #: None: the optimizer's default, 0.9. Higher (0.95) averages a compressed momentum's
+    #: error over more steps.
+    beta1: float | None = None
     #: Decay of the second moment (``b2``) of the Adam-family optimizers (all but ``sgd-ef``);
     #: None: the optimizer's default, 0.999. Lower (0.99) makes ``v`` follow the gradient's
     #: current scale within about 1/(1-b2) steps.
@@ -209,10 +213,11 @@ class TrainConfig:
         _number(self, "lr", 0.0, strict=True)
         _number(self, "weight_decay", 0.0, strict=False)
         _number(self, "momentum", 0.0, strict=False, hi=1.0)
-        _number(self, "beta2", 0.0, strict=False, hi=1.0)
-        if self.beta2 is not None and self.optimizer == "sgd-ef":
-            raise ValueError(f"TrainConfig.beta2 is for the Adam-family optimizers, got "
-                             f"{self.beta2} with optimizer 'sgd-ef'")
+        for name in ("beta1", "beta2"):
+            _number(self, name, 0.0, strict=False, hi=1.0)
+            if getattr(self, name) is not None and self.optimizer == "sgd-ef":
+                raise ValueError(f"TrainConfig.{name} is for the Adam-family optimizers, got "
+                                 f"{getattr(self, name)} with optimizer 'sgd-ef'")
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         _choice(self, "ef", EF_CHOICES, "error feedback")
         _number(self, "ef_decay", 0.0, strict=False, hi=1.0, closed=True)

@@ -80,7 +80,7 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         hp["uncompressed_steps"] = _first(cfg.uncompressed_steps,
                                           DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
     if cfg.optimizer != "sgd-ef":
-        hp["betas"] = (0.9, _first(cfg.beta2, 0.999))
+        hp["betas"] = (_first(cfg.beta1, 0.9), _first(cfg.beta2, 0.999))
     if cfg.optimizer in ("onebit-adam", "onebit-lans"):
         hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
     elif cfg.optimizer in ("clan", "lans"):
