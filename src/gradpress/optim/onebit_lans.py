@@ -239,9 +239,9 @@ class OneBitLANS(LANS):
         ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None)."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        ds = self._denominators(b, group)
         if self.variance == "local":
-            return self._send_local(b, group, g, ds[0])
+            return self._send_local(b, group, g)
+        ds = self._denominators(b, group)
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
         est = self._estimates(b, d) if self.ef21 else None
         prev = None
@@ -263,16 +263,19 @@ class OneBitLANS(LANS):
         return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, ds,
                 est)
 
-    def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
-                    d_last: list[torch.Tensor]) -> tuple[list[Any], Any, Any, None]:
+    def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor]
+                    ) -> tuple[list[Any], Any, Any, None]:
         """Step 5 up to the communication: ``v`` and ``m`` from the local gradient, ``m/d``
         sent; returns (pending, b1*a_prev or None, ``(d, s)``, None)."""
         beta1, beta2 = group["betas"]
         prev = None
         if self.blend:  # a_prev; at the first compressed step the warm-up's (shared) m/d
-            prev = [self.state[p]["shared_momentum"] if "shared_momentum" in self.state[p]
-                    else m / d for p, m, d in zip(b.params, b.exp_avgs, d_last)]
-            prev = torch._foreach_mul(prev, beta1)
+            if any("shared_momentum" not in self.state[p] for p in b.params):
+                d_last = self._denominators(b, group)[0]
+                for p, m, d in zip(b.params, b.exp_avgs, d_last):
+                    self.state[p].setdefault("shared_momentum", m / d)
+            prev = torch._foreach_mul([self.state[p]["shared_momentum"] for p in b.params],
+                                      beta1)
         moments_(b, g, beta1, beta2)                       # this worker's own m and v
         d, s = adam_denominators(b, beta2, group["eps"])   # bias-corrected at t, as LANS
         sent = torch._foreach_div(b.exp_avgs, d)
