@@ -83,14 +83,14 @@ WORKER = textwrap.dedent('''
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
                              ("onebit", "ef21", ()), ("onebit", "corrected", ()),
                              ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
-                             ("onebit", "vanilla:decay=0.9", ()), ("onebit", "local", ())):
+                             ("onebit", "vanilla:decay=0.9", ()), ("onebit", "frozen", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{ef}".replace(":decay=0.9", "_decay")
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
                       warmup_steps=1, min_compress_bytes=0, compression=codec,
                       ef=ef if ef in EFS else "vanilla", uncompressed_params=exact,
                       refresh_every=2 if ef == "refresh" else None,
-                      variance="local" if ef == "local" else "frozen")
+                      variance="frozen" if ef == "frozen" else None)
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
@@ -216,9 +216,10 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert not torch.equal(w0["clanm_onebit_vanilla_decay"], w0["clanm_onebit"])
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
-    # each worker's own v from its own gradient; the replicas stay identical (checked above)
-    assert bool(w0["clanm_onebit_local_active"])
-    assert not torch.equal(w0["clanm_onebit_local"], w0["clanm_onebit"])
+    # the default: each worker's own v from its own gradient; the replicas stay identical
+    # (checked above) and differ from a frozen v's
+    assert bool(w0["clanm_onebit_frozen_active"])
+    assert not torch.equal(w0["clanm_onebit_frozen"], w0["clanm_onebit"])
     assert torch.equal(w0["exact_all"], w0["none"])
     # named tensors keep the worker-side momentum, as small tensors do
     assert torch.equal(w0["exact_momentum"], w0["momentum_small"])
@@ -250,6 +251,10 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     ({"refresh_every": 0}, ValueError, ["refresh_every must be None or an int >= 1", "0"]),
     ({"refresh_every": 5, "communicate": "gradient"}, ValueError,
      ["refresh_every needs communicate='momentum'", "'gradient'"]),
+    ({"variance": "local", "communicate": "gradient"}, ValueError,
+     ["variance='local' needs communicate='momentum'", "'gradient'"]),
+    ({"variance": "local", "ef": "ef21"}, ValueError, ["variance='local' needs", "ef21=True"]),
+    ({"variance": "fresh"}, ValueError, ["variance must be one of frozen, local", "'fresh'"]),
 ])
 def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))
@@ -257,6 +262,16 @@ def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str])
         gp.CLAN([("w", p)], **kw)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, "local"), ({"ef": "ef21"}, "frozen"), ({"refresh_every": 50}, "frozen"),
+    ({"variance": "frozen"}, "frozen"),
+])
+def test_clan_default_variance(kw: dict, want: str) -> None:
+    # the local second moment unless an option needs a frozen one (docs/convergence.md 2.8)
+    opt = gp.CLAN([("w", torch.nn.Parameter(torch.ones(3)))], **kw)
+    assert opt.variance == want
 
 
 def test_match_names_patterns_and_exact_names() -> None:

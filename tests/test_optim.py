@@ -473,6 +473,10 @@ def test_onebit_lans_refresh_every_step_is_lans(blend):
         torch.testing.assert_close(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
 
 
+def _trust(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor | float:
+    return x.norm() / u.norm() if x.norm() > 0 and u.norm() > 0 else 1.0
+
+
 def _local_variance_reference(params, seq, fs, blend, lr=0.01, wd=0.01, b1=0.9, b2=0.999,
                               eps=1e-6):
     """Float64 1-bit LANS with a local v and an identity link (step 5): LANS for the first
@@ -492,12 +496,11 @@ def _local_variance_reference(params, seq, fs, blend, lr=0.01, wd=0.01, b1=0.9, 
             s = math.sqrt(1 - b2 ** t)
             a = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + eps * s)
             r = a * s / (1 - b1 ** t) + wd * x
-            q = lambda u: x.norm() / u.norm() if x.norm() > 0 and u.norm() > 0 else 1.0
             if blend:
                 c = (a - b1 * a_prev[i]) * s / (1 - b1) + wd * x
-                x -= lr * b1 * q(r) * r + lr * (1 - b1) * q(c) * c
+                x -= lr * b1 * _trust(x, r) * r + lr * (1 - b1) * _trust(x, c) * c
             else:
-                x -= lr * q(r) * r
+                x -= lr * _trust(x, r) * r
             a_prev[i] = a
 
 
