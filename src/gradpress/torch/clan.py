@@ -31,6 +31,9 @@ that tensor's dense bytes (0.36% of BERT-base's parameters: 32x becomes about 28
 steps the gap grows to +15.6%; each worker's own second moment (``variance="local"``, the
 default since section 2.8) instead of a frozen one, with decaying residuals
 (``ef="vanilla:decay=0.9"``), halved it: +7.97 ± 0.39% (3 seeds; +3.11 ± 1.47% at 800 steps).
+With top-k 0.1% the momentum variant breaks down at 1600 steps (+57-60%, seed 1: each worker's
+momentum is replaced by a 0.1%-sparse average every step); use ``communicate="gradient"``
+with top-k.
 """
 
 from __future__ import annotations
