@@ -259,9 +259,15 @@ def adam_denominators(b: Bucket, beta2: float, eps: float, bias_correction: bool
     return d, s
 
 
-def direction(num: list[torch.Tensor], d: list[torch.Tensor], scale: list[float],
+def direction(num: list[torch.Tensor], d: list[torch.Tensor] | None, scale: list[float],
               params: list[torch.Tensor], wd: float) -> list[torch.Tensor]:
-    """New list ``scale * num / d + wd * x`` per tensor (two passes over the data)."""
+    """New list ``scale * num / d + wd * x`` per tensor (two passes over the data); with ``d``
+    None, ``num`` is divided already: ``scale * num + wd * x``."""
+    if d is None:
+        out = torch._foreach_mul(num, scale)
+        if wd != 0:
+            torch._foreach_add_(out, torch._foreach_mul(params, wd))
+        return out
     if wd != 0:
         out = torch._foreach_mul(params, wd)
         torch._foreach_addcdiv_(out, num, d, scale)

@@ -341,13 +341,13 @@ class OneBitLANS(LANS):
         (``d`` None: ``mom`` and ``prev`` are divided by it already, step 5)."""
         beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
-        r = _direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
-                       b.params, wd)
+        r = direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
+                      b.params, wd)
         c = None
         if prev is not None:
             # gh = (m - b1*m_prev)/(1-b1): the averaged gradient, recovered from the momenta.
             gh = torch._foreach_sub(mom, prev)
-            c = _direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
+            c = direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
         xn = norms(b.params)
         dtype = b.params[0].dtype
         q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
@@ -357,17 +357,6 @@ class OneBitLANS(LANS):
         q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
         torch._foreach_addcmul_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
         torch._foreach_addcmul_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))
-
-
-def _direction(num: list[torch.Tensor], d: list[torch.Tensor] | None, scale: list[float],
-               params: list[torch.Tensor], wd: float) -> list[torch.Tensor]:
-    """:func:`direction`, or ``scale*num + wd*x`` where ``num`` is divided by ``d`` already."""
-    if d is not None:
-        return direction(num, d, scale, params, wd)
-    out = torch._foreach_mul(num, scale)
-    if wd != 0:
-        torch._foreach_add_(out, torch._foreach_mul(params, wd))
-    return out
 
 
 def _check_variance(variance: Any, opt: OneBitLANS) -> str:

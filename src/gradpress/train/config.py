@@ -65,6 +65,16 @@ def _choice(obj: Any, name: str, valid: tuple[str, ...], what: str) -> None:
         raise ValueError(f"unknown {what} {v!r}; valid {what}s: {', '.join(valid)}")
 
 
+def _onebit_lans_choice(cfg: Any, name: str, valid: tuple[str, str]) -> None:
+    """A ``onebit-lans`` option: one of ``valid``, and its first (default) with the others."""
+    v = getattr(cfg, name)
+    if v not in valid:
+        raise ValueError(f"TrainConfig.{name} must be {' or '.join(valid)}, got {v!r}")
+    if v != valid[0] and cfg.optimizer != "onebit-lans":
+        raise ValueError(f"TrainConfig.{name}={v!r} is for onebit-lans, got optimizer "
+                         f"{cfg.optimizer!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run on a local cluster (``gradpress train``; the demo runs three).
@@ -190,24 +200,14 @@ class TrainConfig:
         if self.refresh_every is not None and self.optimizer != "onebit-lans":
             raise ValueError(f"TrainConfig.refresh_every is for onebit-lans, got "
                              f"{self.refresh_every} with optimizer {self.optimizer!r}")
-        if self.variance not in ("frozen", "local"):
-            raise ValueError(f"TrainConfig.variance must be frozen or local, got "
-                             f"{self.variance!r}")
-        if self.variance != "frozen" and self.optimizer != "onebit-lans":
-            raise ValueError(f"TrainConfig.variance={self.variance!r} is for onebit-lans, got "
-                             f"optimizer {self.optimizer!r}")
+        _onebit_lans_choice(self, "variance", ("frozen", "local"))
         if self.variance == "local" and (self.refresh_every is not None or not self.precondition
                                          or self.sends != "momentum" or self.ef == "ef21"):
             raise ValueError(f"TrainConfig.variance='local' needs precondition, sends='momentum', "
                              f"no ef21 and no refresh_every, got refresh_every="
                              f"{self.refresh_every}, precondition={self.precondition}, sends="
                              f"{self.sends!r}, ef={self.ef!r}")
-        if self.sends not in ("momentum", "gradient"):
-            raise ValueError(f"TrainConfig.sends must be momentum or gradient, got "
-                             f"{self.sends!r}")
-        if self.sends != "momentum" and self.optimizer != "onebit-lans":
-            raise ValueError(f"TrainConfig.sends={self.sends!r} is for onebit-lans, got "
-                             f"optimizer {self.optimizer!r}")
+        _onebit_lans_choice(self, "sends", ("momentum", "gradient"))
         _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
         _number(self, "lr", 0.0, strict=True)
