@@ -83,14 +83,16 @@ WORKER = textwrap.dedent('''
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
                              ("onebit", "ef21", ()), ("onebit", "corrected", ()),
                              ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
-                             ("onebit", "vanilla:decay=0.9", ()), ("onebit", "frozen", ())):
+                             ("onebit", "vanilla:decay=0.9", ()), ("onebit", "frozen", ()),
+                             ("onebit", "blend", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{ef}".replace(":decay=0.9", "_decay")
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
                       warmup_steps=1, min_compress_bytes=0, compression=codec,
                       ef=ef if ef in EFS else "vanilla", uncompressed_params=exact,
                       refresh_every=2 if ef == "refresh" else None,
-                      variance="frozen" if ef == "frozen" else None)
+                      variance="frozen" if ef == "frozen" else None,
+                      blend=True if ef == "blend" else None)
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
@@ -220,6 +222,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     # (checked above) and differ from a frozen v's
     assert bool(w0["clanm_onebit_frozen_active"])
     assert not torch.equal(w0["clanm_onebit_frozen"], w0["clanm_onebit"])
+    assert bool(w0["clanm_onebit_blend_active"])  # LANS's blend after the warm-up, on request
+    assert not torch.equal(w0["clanm_onebit_blend"], w0["clanm_onebit"])
     assert torch.equal(w0["exact_all"], w0["none"])
     # named tensors keep the worker-side momentum, as small tensors do
     assert torch.equal(w0["exact_momentum"], w0["momentum_small"])
@@ -255,6 +259,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
      ["variance='local' needs communicate='momentum'", "'gradient'"]),
     ({"variance": "local", "ef": "ef21"}, ValueError, ["variance='local' needs", "ef21=True"]),
     ({"variance": "fresh"}, ValueError, ["variance must be one of frozen, local", "'fresh'"]),
+    ({"blend": "no"}, TypeError, ["blend must be None or a bool", "'no'"]),
+    ({"blend": True, "communicate": "gradient"}, ValueError,
+     ["blend=True needs communicate='momentum'", "'gradient'"]),
 ])
 def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))
@@ -272,6 +279,14 @@ def test_clan_default_variance(kw: dict, want: str) -> None:
     # the local second moment unless an option needs a frozen one (docs/convergence.md 2.8)
     opt = gp.CLAN([("w", torch.nn.Parameter(torch.ones(3)))], **kw)
     assert opt.variance == want
+
+
+@pytest.mark.parametrize("kw, want", [({}, False), ({"blend": True}, True),
+                                      ({"blend": False}, False)])
+def test_clan_default_blend(kw: dict, want: bool) -> None:
+    # the averaged momentum alone after the warm-up unless asked (docs/convergence.md 2.9)
+    opt = gp.CLAN([("w", torch.nn.Parameter(torch.ones(3)))], **kw)
+    assert opt.blend is want
 
 
 def test_match_names_patterns_and_exact_names() -> None:

@@ -11,7 +11,8 @@ on workers and servers. ``gp.CLAN`` builds it in one of two ways (``communicate`
 2. then each worker keeps its own second moment from its own gradient (``variance``) and
    its momentum, divided by its ``sqrt(v)+eps``, is compressed, averaged by the servers and
    compressed again;
-3. every worker takes LANS's step along the averaged momentum.
+3. every worker takes the layer-wise step (LAMB's, or LANS's blend with ``blend=True``) along
+   the averaged momentum.
 
 ``"gradient"`` (the paper's CLAN): each worker compresses its gradient chunks, the servers
 average and compress again, and every worker takes the LANS step without gradient normalisation
@@ -30,10 +31,11 @@ LANS from +5.65% to +3.32% at 800 steps (3 seeds, 20% dense; section 2.7), at th
 that tensor's dense bytes (0.36% of BERT-base's parameters: 32x becomes about 28.8x). At 1600
 steps the gap grows to +15.6%; each worker's own second moment (``variance="local"``, the
 default since section 2.8) instead of a frozen one, with decaying residuals
-(``ef="vanilla:decay=0.9"``), halved it: +7.97 ± 0.39% (3 seeds; +3.11 ± 1.47% at 800 steps).
-With top-k 0.1% the momentum variant breaks down at 1600 steps (+57-60%, seed 1: each worker's
-momentum is replaced by a 0.1%-sparse average every step); use ``communicate="gradient"``
-with top-k.
+(``ef="vanilla:decay=0.9"``), halved it: +7.97 ± 0.39% (3 seeds; +3.11 ± 1.47% at 800 steps);
+stepping along the averaged momentum alone (``blend=False``, the default since section 2.9)
+took it to +6.33 ± 0.75% (+1.79 ± 1.76% at 800 steps). Top-k 0.1% does not keep up past 800
+steps either way (seed 1 at 1600 steps: momentum +57-60%, each worker's momentum replaced by a
+0.1%-sparse average every step; gradient +79.9%, never leaving the early plateau).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
          communicate: str = "momentum",
          uncompressed_params: Iterable[str] = (),
          refresh_every: int | None = None,
-         variance: str | None = None) -> torch.optim.Optimizer:
+         variance: str | None = None,
+         blend: bool | None = None) -> torch.optim.Optimizer:
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
     Args:
@@ -121,6 +124,14 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             ``ef="ef21"`` or ``refresh_every``, which need a frozen one. The local one
             removed the frozen one's cost on stdlib-mlm and cut one-bit's 1600-step gap from
             +20.8% to +14.7% (3 seeds, ``docs/convergence.md`` 2.8).
+        blend: ``"momentum"`` only: after the warm-up, keep LANS's blend of the momentum with
+            the gradient recovered from two consecutive averaged momenta (True) or step along
+            the averaged momentum alone (False, LAMB's step, as 1-bit LAMB;
+            ``OneBitLANS(blend=)``). None (default): False. The recovered gradient carries
+            the codec's error of one step amplified by ``1/(1-b1)``; dropping it took one-bit's
+            gap on stdlib-mlm from +7.97 to +6.33% at 1600 steps and from +3.11 to +1.79% at
+            800 (3 seeds, ``docs/convergence.md`` 2.9).
+            With ``"gradient"`` LANS always blends; only None is accepted.
     """
     if not isinstance(freeze_variance, bool):
         raise TypeError(f"freeze_variance must be a bool, got {freeze_variance!r}")
@@ -136,6 +147,11 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if variance != "frozen" and communicate != "momentum":
         raise ValueError(f"variance={variance!r} needs communicate='momentum' (the optimizer "
                          f"keeps the second moment there), got communicate={communicate!r}")
+    if blend is not None and not isinstance(blend, bool):
+        raise TypeError(f"blend must be None or a bool, got {blend!r}")
+    if blend is not None and communicate != "momentum":
+        raise ValueError(f"blend={blend!r} needs communicate='momentum' (with 'gradient' LANS "
+                         f"always blends; leave blend=None), got communicate={communicate!r}")
     if refresh_every is not None and communicate != "momentum":
         raise ValueError(f"refresh_every needs communicate='momentum' (the second moment is "
                          f"frozen there), got communicate={communicate!r}")
@@ -150,7 +166,7 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if communicate == "momentum":
         return _momentum_clan(named, lr, compression, ef, warmup_steps, weight_decay, betas, eps,
                               min_compress_bytes, backward_passes_per_step, nan_policy, dense,
-                              refresh_every, variance)
+                              refresh_every, variance, bool(blend))
     opt = clan_optimizer([p for _, p in named], lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay,
                          freeze_step=warmup_steps if freeze_variance else None)
@@ -166,7 +182,8 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
                    weight_decay: float, betas: tuple[float, float], eps: float,
                    min_compress_bytes: int | None, backward_passes_per_step: int,
                    nan_policy: str, dense: frozenset[str],
-                   refresh_every: int | None, variance: str) -> torch.optim.Optimizer:
+                   refresh_every: int | None, variance: str,
+                   blend: bool) -> torch.optim.Optimizer:
     """``communicate="momentum"``: OneBitLANS whose compression stage push_pulls momenta."""
     from ..api import push_pull_async
     from ..compress import build
@@ -190,7 +207,7 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
     opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,
                      communicate=communicate, ef21=ef21, refresh_every=refresh_every,
-                     variance=variance)
+                     variance=variance, blend=blend)
     groups.extend(opt.param_groups)
     # The wrapper averages dense gradients during the warm-up and stops once the optimizer's
     # compression_active turns true (it communicates momenta from then on).
