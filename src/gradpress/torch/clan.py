@@ -129,8 +129,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             the averaged momentum alone (False, LAMB's step, as 1-bit LAMB;
             ``OneBitLANS(blend=)``). None (default): False. The recovered gradient carries
             the codec's error of one step amplified by ``1/(1-b1)``; dropping it took one-bit's
-            gap on stdlib-mlm from +7.97 to +6.33% at 1600 steps and from +3.11 to +1.79% at
-            800 (3 seeds, ``docs/convergence.md`` 2.9).
+            gap on stdlib-mlm (``pos.weight`` exact, decaying residuals) from +7.97 to +6.33%
+            at 1600 steps and from +3.11 to +1.79% at 800; with nothing else changed +15.37
+            against +15.82% at 1600 (3 seeds each, ``docs/convergence.md`` 2.9).
             With ``"gradient"`` LANS always blends; only None is accepted.
     """
     if not isinstance(freeze_variance, bool):
