@@ -47,6 +47,9 @@ CODECS: dict[str, str] = {
 }
 #: Optimizers behind a gradient codec (``--uncompressed-steps`` applies to them).
 GRADIENT_OPTIMIZERS = ("clan", "lans", "lamb", "adam")
+#: 1-bit LANS's best settings on stdlib-mlm (docs/convergence.md 2.8): position embedding exact,
+#: each worker's own second moment, residuals decaying with the momentum.
+_POS_LV_DECAY = {"uncompressed-params": "pos.weight", "variance": "local", "ef-decay": 0.9}
 #: Remedy variants (``--variants``): extra ``gradpress train`` options and environment.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -67,17 +70,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lv": {"args": {"variance": "local"}},
     "lv-decay": {"args": {"variance": "local", "ef-decay": 0.9}},
     "pos-lv": {"args": {"uncompressed-params": "pos.weight", "variance": "local"}},
-    "pos-lv-decay": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
-                              "ef-decay": 0.9}},
-    "pos-lv-decay-noblend": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
-                                      "ef-decay": 0.9, "no-blend": True}},
-    "pos-lv-decay08": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
-                                "ef-decay": 0.8}},
-    "pos-lv-decay-chunk16k": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
-                                       "ef-decay": 0.9},
+    "pos-lv-decay": {"args": _POS_LV_DECAY},
+    "pos-lv-decay-noblend": {"args": {**_POS_LV_DECAY, "no-blend": True}},
+    "pos-lv-decay08": {"args": {**_POS_LV_DECAY, "ef-decay": 0.8}},
+    "pos-lv-decay-chunk16k": {"args": _POS_LV_DECAY,
                               "env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},
-    "pos-lv-decay-chunk4k": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
-                                      "ef-decay": 0.9},
+    "pos-lv-decay-chunk4k": {"args": _POS_LV_DECAY,
                              "env": {"GRADPRESS_PARTITION_BYTES": str(4 << 10)}},
     "lv-freeze100": {"args": {"variance": "local", "freeze-step": 100}},
     "lv-freeze100-noblend": {"args": {"variance": "local", "freeze-step": 100,

@@ -175,18 +175,19 @@ class OneBitAdam(BucketedOptimizer):
             if comp.params:
                 # Step 2: local momentum, v frozen; launch every communication before waiting.
                 moments_(comp, comp.grads, beta1, beta2, update_variance=False)
-                stages.append((comp, group, self._launch(comp)))
+                stages.append((comp, group, self._launch(comp, comp.exp_avgs)))
         for b, group, pending in stages:
             if pending is not None:
                 self._collect(b, pending)
             self._apply(b, group)
         return loss
 
-    def _launch(self, b: Bucket) -> list[Any]:
-        """Hand each local momentum to ``communicate``; returns tensors or handles."""
+    def _launch(self, b: Bucket, tensors: list[torch.Tensor]) -> list[Any]:
+        """Hand each of the bucket's ``tensors`` (keyed by parameter index) to
+        ``communicate``; returns tensors (no ``communicate``: as they are) or handles."""
         if self._communicate is None:
-            return list(b.exp_avgs)
-        return [self._communicate(str(i), m) for i, m in zip(b.indices, b.exp_avgs)]
+            return list(tensors)
+        return [self._communicate(str(i), t) for i, t in zip(b.indices, tensors)]
 
     @staticmethod
     def _collect(b: Bucket, pending: list[Any]) -> None:

@@ -183,6 +183,7 @@ class OneBitLANS(LANS):
 
     communicate = OneBitAdam.communicate
     compression_active = OneBitAdam.compression_active
+    _launch = OneBitAdam._launch
 
     def _compresses(self, t: int, group: dict[str, Any]) -> bool:
         """Whether a tensor's step ``t`` runs the compression stage: past the warm-up and not
@@ -262,10 +263,7 @@ class OneBitLANS(LANS):
         sent = torch._foreach_div(src, d) if d is not None else list(src)
         if est is not None:
             sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
-        if self._communicate is None:
-            return list(sent), prev, ds, est
-        return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev, ds,
-                est)
+        return self._launch(b, sent), prev, ds, est
 
     def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor]
                     ) -> tuple[list[Any], Any, Any, None]:
@@ -282,11 +280,7 @@ class OneBitLANS(LANS):
                                       beta1)
         moments_(b, g, beta1, beta2)                       # this worker's own m and v
         d, s = adam_denominators(b, beta2, group["eps"])   # bias-corrected at t, as LANS
-        sent = torch._foreach_div(b.exp_avgs, d)
-        if self._communicate is None:
-            return sent, prev, (d, s), None
-        return ([self._communicate(str(i), t) for i, t in zip(b.indices, sent)], prev,
-                (d, s), None)
+        return self._launch(b, torch._foreach_div(b.exp_avgs, d)), prev, (d, s), None
 
     def _local_update(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
                       prev: list[torch.Tensor] | None, d: list[torch.Tensor],

@@ -139,23 +139,21 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     if communicate not in COMMUNICATES:
         raise ValueError(f"communicate must be one of {', '.join(COMMUNICATES)}, got "
                          f"{communicate!r}")
-    if ef == "ef21" and communicate != "momentum":
-        raise ValueError("ef='ef21' needs communicate='momentum' (the optimizer keeps the shared "
-                         f"estimate), got communicate={communicate!r}")
+    if blend is not None and not isinstance(blend, bool):
+        raise TypeError(f"blend must be None or a bool, got {blend!r}")
     if variance is None:
         frozen = ef == "ef21" or refresh_every is not None or communicate != "momentum"
         variance = "frozen" if frozen else "local"
-    if variance != "frozen" and communicate != "momentum":
-        raise ValueError(f"variance={variance!r} needs communicate='momentum' (the optimizer "
-                         f"keeps the second moment there), got communicate={communicate!r}")
-    if blend is not None and not isinstance(blend, bool):
-        raise TypeError(f"blend must be None or a bool, got {blend!r}")
-    if blend is not None and communicate != "momentum":
-        raise ValueError(f"blend={blend!r} needs communicate='momentum' (with 'gradient' LANS "
-                         f"always blends; leave blend=None), got communicate={communicate!r}")
-    if refresh_every is not None and communicate != "momentum":
-        raise ValueError(f"refresh_every needs communicate='momentum' (the second moment is "
-                         f"frozen there), got communicate={communicate!r}")
+    for given, what, why in (  # options that only the momentum variant has
+            (ef == "ef21", "ef='ef21'", "the optimizer keeps the shared estimate"),
+            (variance != "frozen", f"variance={variance!r}",
+             "the optimizer keeps the second moment there"),
+            (blend is not None, f"blend={blend!r}",
+             "with 'gradient' LANS always blends; leave blend=None"),
+            (refresh_every is not None, "refresh_every", "the second moment is frozen there")):
+        if given and communicate != "momentum":
+            raise ValueError(f"{what} needs communicate='momentum' ({why}), got "
+                             f"communicate={communicate!r}")
     freezes = freeze_variance or communicate == "momentum"
     if freezes and not (isinstance(warmup_steps, int) and warmup_steps >= 1):
         raise ValueError(f"freeze_variance=True or communicate='momentum' (the default) needs "
