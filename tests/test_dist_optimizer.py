@@ -79,14 +79,18 @@ WORKER = textwrap.dedent('''
     res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
-    EFS = ("vanilla", "ef21", "corrected", "vanilla:decay=0.9")
+    EFS = {"vanilla": "vanilla", "ef21": "ef21", "corrected": "corrected",
+           "vanilla:decay=0.9": "vanilla_decay", "vanilla:decay=0.9,server_decay=1": "srv1",
+           "vanilla:decay=0.9,server_decay=0.9": "srv09"}
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
                              ("onebit", "ef21", ()), ("onebit", "corrected", ()),
                              ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
                              ("onebit", "vanilla:decay=0.9", ()), ("onebit", "frozen", ()),
-                             ("onebit", "blend", ())):
+                             ("onebit", "blend", ()),
+                             ("onebit", "vanilla:decay=0.9,server_decay=1", ()),
+                             ("onebit", "vanilla:decay=0.9,server_decay=0.9", ())):
         model = net(3)
-        key = codec if ef == "vanilla" else f"{codec}_{ef}".replace(":decay=0.9", "_decay")
+        key = codec if ef == "vanilla" else f"{codec}_{EFS.get(ef, ef)}"
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
                       warmup_steps=1, min_compress_bytes=0, compression=codec,
                       ef=ef if ef in EFS else "vanilla", uncompressed_params=exact,
@@ -216,6 +220,10 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert torch.equal(w0["clanm_onebit_exact"], w0["clanm_none"])  # every momentum exact
     # residuals decaying on workers and servers: the steps after the first compressed one differ
     assert not torch.equal(w0["clanm_onebit_vanilla_decay"], w0["clanm_onebit"])
+    # the servers' own decay: the same value is the same run; plain server residuals differ
+    assert torch.equal(w0["clanm_onebit_srv09"], w0["clanm_onebit_vanilla_decay"])
+    for other in ("clanm_onebit_vanilla_decay", "clanm_onebit"):
+        assert not torch.equal(w0["clanm_onebit_srv1"], w0[other]), other
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
     # the default: each worker's own v from its own gradient; the replicas stay identical

@@ -151,10 +151,30 @@ def test_decay_one_is_vanilla_and_kinds_are_checked():
                 "vanilla:decay=x", "vanilla:dekay=0.5", "corrected:decay=0.5", "vanilla:"):
         with pytest.raises(ValueError, match="'vanilla:decay=B' with B in \\[0, 1\\]"):
             check_ef(bad)
+    for bad in ("vanilla:decay=0.9,server_decay=2", "vanilla:decay=0.9,decay=0.8",
+                "corrected:server_decay=1", "vanilla:decay=0.9,", "vanilla:server_dekay=1"):
+        with pytest.raises(ValueError, match="optionally ',server_decay=S', S in \\[0, 1\\]"):
+            check_ef(bad)
     state = make("onebit", ef="vanilla:decay=0.9").state_dict()
     assert state["kind"] == "vanilla:decay=0.9"
     with pytest.raises(ValueError, match="state is for kind 'vanilla:decay=0.9'"):
         make("onebit", ef="vanilla").load_state_dict(state)
+
+
+def test_server_decay_applies_to_servers_only():
+    from gradpress.compress.registry import check_ef, server_ef, split_ef
+
+    kind = check_ef(" Vanilla : decay = 0.90 , server_decay = 1 ")
+    assert kind == "vanilla:decay=0.9,server_decay=1.0"
+    assert split_ef(kind) == ("vanilla", 0.9) and server_ef(kind) == "vanilla:decay=1.0"
+    assert check_ef("vanilla:server_decay=0.5") == "vanilla:decay=1.0,server_decay=0.5"
+    for same in ("vanilla", "vanilla:decay=0.9", "corrected", "sparse", None):
+        assert server_ef(same) == (None if same is None else check_ef(same))
+    # a worker's residuals follow decay=B whatever server_decay says
+    a, b = make("onebit", ef=kind), make("onebit", ef="vanilla:decay=0.9")
+    for step, x in enumerate(grads(3)):
+        assert torch.equal(a.compress(x, step=step), b.compress(x, step=step))
+    assert a.state_dict()["kind"] == kind
 
 
 @pytest.mark.parametrize("lr", [None, 0.0, -1.0, float("nan"), float("inf")])

@@ -68,6 +68,8 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"ef_decay": 1.5, "compression": "onebit"}, ["TrainConfig.ef_decay", ">= 0.0 and <= 1.0"]),
     ({"ef_decay": 0.9, "ef": "corrected"}, ["TrainConfig.ef_decay", "ef='vanilla'",
                                              "'corrected'"]),
+    ({"server_ef_decay": 1.2}, ["TrainConfig.server_ef_decay", ">= 0.0 and <= 1.0"]),
+    ({"server_ef_decay": 1.0, "ef": "none"}, ["TrainConfig.server_ef_decay", "ef='vanilla'"]),
     ({"uncompressed_params": ("pos.weight", "")}, ["TrainConfig.uncompressed_params", "''"]),
     ({"optimizer": "onebit-lans", "variance": "live"}, ["TrainConfig.variance", "frozen or local",
                                                         "'live'"]),
@@ -91,6 +93,10 @@ def test_config_round_trip_and_defaults() -> None:
     assert TrainConfig(task="digits-cnn").effective_ef is None  # uncompressed: no residuals
     assert TrainConfig(task="digits-cnn", compression="onebit",
                        ef_decay=0.9).effective_ef == "vanilla:decay=0.9"
+    assert TrainConfig(task="digits-cnn", compression="onebit", ef_decay=0.9,
+                       server_ef_decay=1.0).effective_ef == "vanilla:decay=0.9,server_decay=1.0"
+    assert TrainConfig(task="digits-cnn", compression="onebit",
+                       server_ef_decay=0.5).effective_ef == "vanilla:decay=1.0,server_decay=0.5"
     assert TrainConfig(task="digits-cnn", compression="onebit", optimizer="onebit-lans",
                        ef="ef21").effective_ef is None  # the optimizer's estimate is the feedback
     with pytest.raises(ValueError, match="unknown field"):

@@ -12,6 +12,9 @@ Kinds (design brief §3):
   delivered yet ages by ``B`` per step instead of being kept until it is sent; with ``B`` the
   momentum coefficient of a compressed momentum (1-bit Adam / 1-bit LANS), the residual ages as
   the momentum does (``docs/convergence.md``, section 2.7). ``B = 1`` is vanilla.
+  ``vanilla:decay=B,server_decay=S``: workers use ``B``, the servers' codecs ``S``
+  (:func:`.registry.server_ef`); with 1-bit LANS, ``B = 0.9`` and ``S = 1`` did better than
+  0.9 on both sides (``docs/convergence.md``, section 2.10).
 * ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
   draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
 
@@ -127,7 +130,8 @@ class ErrorFeedback(CodecWrapper):
 
     Args:
         codec: the codec whose compression error is fed back.
-        kind: ``"vanilla"``, ``"vanilla:decay=B"``, ``"corrected"`` (``compress`` needs
+        kind: ``"vanilla"``, ``"vanilla:decay=B"`` (with ``",server_decay=S"``: ``B``
+            here, on a worker), ``"corrected"`` (``compress`` needs
             ``lr``) or ``"sparse"`` (only for codecs that draw their indices from
             (seed, key, step), i.e. ``randomk``).
     """

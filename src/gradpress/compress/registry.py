@@ -11,7 +11,7 @@ from .base import Codec
 from .spec import CodecSpec, parse_spec
 
 __all__ = ["register", "build", "codec_names", "codec_class", "EF_KINDS", "MOMENTUM_KINDS",
-           "check_ef", "split_ef"]
+           "check_ef", "split_ef", "server_ef"]
 
 _REGISTRY: dict[str, type[Codec]] = {}
 _FAMILY_MODULES = ("cast", "onebit", "sparse", "dithering")
@@ -118,29 +118,56 @@ def build(spec: str | Mapping[str, Any] | CodecSpec | None, numel: int, *, ef: s
 
 
 def check_ef(value: Any) -> str:
-    """The canonical error-feedback kind of ``value``: one of :data:`EF_KINDS`, or
-    ``"vanilla:decay=B"`` (residuals that decay by ``B`` in [0, 1] each step, see
-    :mod:`.ef`); ValueError naming the value otherwise."""
+    """The canonical error-feedback kind of ``value``: one of :data:`EF_KINDS`,
+    ``"vanilla:decay=B"`` (residuals that decay by ``B`` in [0, 1] each step, see :mod:`.ef`)
+    or ``"vanilla:decay=B,server_decay=S"`` (``S`` on the servers instead); ValueError naming
+    the value otherwise."""
     v = str(value).strip().lower().replace(" ", "")
     base, sep, opt = v.partition(":")
     if not sep:
         return _checked("ef", value, EF_KINDS)
-    key, eq, num = opt.partition("=")
-    try:
-        decay = float(num) if base == "vanilla" and key == "decay" and eq else math.nan
-    except ValueError:
-        decay = math.nan
-    if not 0.0 <= decay <= 1.0:
-        raise ValueError(f"unknown ef {value!r}; valid: {', '.join(EF_KINDS)}, "
-                         f"'vanilla:decay=B' with B in [0, 1], or None")
-    return f"vanilla:decay={decay!r}"
+    opts = _decays(value, base, opt)
+    text = f"vanilla:decay={opts.get('decay', 1.0)!r}"
+    if "server_decay" in opts:
+        text += f",server_decay={opts['server_decay']!r}"
+    return text
+
+
+def _decays(value: Any, base: str, opt: str) -> dict[str, float]:
+    """The ``key=B`` options of a ``vanilla:...`` kind; ValueError unless each is ``decay`` or
+    ``server_decay``, given once, with B in [0, 1]."""
+    out: dict[str, float] = {}
+    for item in opt.split(","):
+        key, eq, num = item.partition("=")
+        try:
+            b = float(num) if base == "vanilla" and eq and key not in out else math.nan
+        except ValueError:
+            b = math.nan
+        if key not in ("decay", "server_decay") or not 0.0 <= b <= 1.0:
+            raise ValueError(f"unknown ef {value!r}; valid: {', '.join(EF_KINDS)}, "
+                             f"'vanilla:decay=B' with B in [0, 1] (optionally "
+                             f"',server_decay=S', S in [0, 1]), or None")
+        out[key] = b
+    return out
 
 
 def split_ef(kind: str) -> tuple[str, float]:
-    """``(base kind, decay)`` of a kind :func:`check_ef` accepts (decay 1.0 unless given)."""
+    """``(base kind, decay)`` of a kind :func:`check_ef` accepts (decay 1.0 unless given): what
+    a worker's error feedback uses."""
     v = check_ef(kind)
     base, _, opt = v.partition(":")
-    return base, float(opt.partition("=")[2]) if opt else 1.0
+    return base, _decays(kind, base, opt)["decay"] if opt else 1.0
+
+
+def server_ef(kind: str | None) -> str | None:
+    """The error-feedback kind a server's codec uses for keys pushed with ``kind``: the same,
+    except that ``vanilla:decay=B,server_decay=S`` becomes ``vanilla:decay=S``."""
+    if kind is None:
+        return None
+    v = check_ef(kind)
+    base, _, opt = v.partition(":")
+    s = _decays(kind, base, opt).get("server_decay") if opt else None
+    return v if s is None else f"vanilla:decay={s!r}"
 
 
 def _checked(what: str, value: Any, valid: tuple[str, ...]) -> str:

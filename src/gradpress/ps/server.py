@@ -36,6 +36,7 @@ import time
 import torch
 
 from ..compress import build
+from ..compress.registry import server_ef
 from .buffers import BufferPool
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
@@ -61,7 +62,8 @@ class _KeyState:
         self.desc = desc
         self.label = f"key {key} ({desc.label})"
         self.dec = build(desc.spec, desc.numel, seed=desc.seed)
-        self.enc = build(desc.spec, desc.numel, ef=desc.ef, seed=desc.seed)
+        # the workers' error feedback, with its server_decay when the kind has one
+        self.enc = build(desc.spec, desc.numel, ef=server_ef(desc.ef), seed=desc.seed)
         self.nbytes = self.dec.payload_bytes
         self.thread = thread
         # per worker: the buffer of its pending push, lent by the engine's pool (framed)

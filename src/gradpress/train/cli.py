@@ -77,6 +77,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     a("--ef-decay", type=float, metavar="B",
       help="with --ef vanilla: residuals decay by B each step (vanilla:decay=B; default: no "
            "decay)")
+    a("--server-ef-decay", type=float, metavar="S",
+      help="with --ef vanilla: the servers' residuals decay by S instead (1: not at all; "
+           "default: as --ef-decay)")
     a("--optimizer", default="clan", metavar="NAME",
       help=f"{', '.join(OPTIMIZERS)} (default clan)")
     a("--lr", type=float, help="peak learning rate (default: the task's for the optimizer)")
@@ -134,6 +137,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         name=args.name, task=args.task, script=_script(args), workers=args.workers,
         servers=args.servers, compression=args.compression, ef=args.ef, ef_decay=args.ef_decay,
+        server_ef_decay=args.server_ef_decay,
         optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, steps=args.steps,
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,

@@ -107,6 +107,10 @@ class TrainConfig:
     #: on workers and servers (``vanilla:decay=B``); None: they do not (1.0). 0.9, the
     #: momentum's ``b1``, suits ``onebit-adam``/``onebit-lans`` (``docs/convergence.md`` 2.7).
     ef_decay: float | None = None
+    #: With ``ef='vanilla'``: the servers' residuals decay by this factor instead of
+    #: ``ef_decay`` (``vanilla:decay=B,server_decay=S``); None: the same as the workers'.
+    #: ``ef_decay=0.9`` with 1.0 here suits ``onebit-lans`` (``docs/convergence.md`` 2.10).
+    server_ef_decay: float | None = None
     #: Optimizer (see :data:`OPTIMIZERS`).
     optimizer: str = "clan"
     #: Peak learning rate; None: the task's default for the optimizer family.
@@ -220,10 +224,11 @@ class TrainConfig:
                                  f"{getattr(self, name)} with optimizer 'sgd-ef'")
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         _choice(self, "ef", EF_CHOICES, "error feedback")
-        _number(self, "ef_decay", 0.0, strict=False, hi=1.0, closed=True)
-        if self.ef_decay is not None and self.ef != "vanilla":
-            raise ValueError(f"TrainConfig.ef_decay is for ef='vanilla', got {self.ef_decay} with "
-                             f"ef={self.ef!r}")
+        for name in ("ef_decay", "server_ef_decay"):
+            _number(self, name, 0.0, strict=False, hi=1.0, closed=True)
+            if getattr(self, name) is not None and self.ef != "vanilla":
+                raise ValueError(f"TrainConfig.{name} is for ef='vanilla', got "
+                                 f"{getattr(self, name)} with ef={self.ef!r}")
         if self.ef == "ef21" and self.optimizer != "onebit-lans":
             raise ValueError(f"TrainConfig.ef='ef21' is for onebit-lans (it needs an optimizer "
                              f"that keeps the shared estimate), got optimizer "
@@ -286,7 +291,12 @@ class TrainConfig:
         ``ef='ef21'`` (the optimizer's estimate is the feedback then)."""
         if self.ef in ("none", "ef21") or not self.compressed:
             return None
-        return self.ef if self.ef_decay is None else f"vanilla:decay={self.ef_decay!r}"
+        if self.ef_decay is None and self.server_ef_decay is None:
+            return self.ef
+        kind = f"vanilla:decay={1.0 if self.ef_decay is None else self.ef_decay!r}"
+        if self.server_ef_decay is None:
+            return kind
+        return f"{kind},server_decay={self.server_ef_decay!r}"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``script`` as a list)."""
