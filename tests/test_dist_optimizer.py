@@ -88,12 +88,14 @@ WORKER = textwrap.dedent('''
                              ("onebit", "vanilla:decay=0.9", ()), ("onebit", "frozen", ()),
                              ("onebit", "blend", ()),
                              ("onebit", "vanilla:decay=0.9,server_decay=1", ()),
-                             ("onebit", "vanilla:decay=0.9,server_decay=0.9", ())):
+                             ("onebit", "vanilla:decay=0.9,server_decay=0.9", ()),
+                             ("onebit", "default", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{EFS.get(ef, ef)}"
         opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
                       warmup_steps=1, min_compress_bytes=0, compression=codec,
-                      ef=ef if ef in EFS else "vanilla", uncompressed_params=exact,
+                      ef=None if ef == "default" else ef if ef in EFS else "vanilla",
+                      uncompressed_params=exact,
                       refresh_every=2 if ef == "refresh" else None,
                       variance="frozen" if ef == "frozen" else None,
                       blend=True if ef == "blend" else None)
@@ -224,6 +226,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert torch.equal(w0["clanm_onebit_srv09"], w0["clanm_onebit_vanilla_decay"])
     for other in ("clanm_onebit_vanilla_decay", "clanm_onebit"):
         assert not torch.equal(w0["clanm_onebit_srv1"], w0[other]), other
+    # gp.CLAN's default ef: the workers' residuals decay by b1, the servers' do not
+    assert torch.equal(w0["clanm_onebit_default"], w0["clanm_onebit_srv1"])
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
     # the default: each worker's own v from its own gradient; the replicas stay identical
