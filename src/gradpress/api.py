@@ -220,9 +220,10 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
         average: divide the sum by the number of workers (on the server).
         compression: codec spec (``"onebit"``, ``"topk:k=0.001"``, a BytePS-style dict);
             None uses ``GRADPRESS_COMPRESSION`` (default ``"none"``).
-        ef: error feedback (``"vanilla"``, ``"vanilla:decay=B"``, ``"corrected"``,
-            ``"sparse"``, ``"none"``); None uses the spec's ``ef`` or ``GRADPRESS_EF``. Workers
-            and servers each keep a residual.
+        ef: error feedback (``"vanilla"``, ``"vanilla:decay=B"``,
+            ``"vanilla:decay=B,server_decay=S"``, ``"corrected"``, ``"sparse"``, ``"none"``);
+            None uses the spec's ``ef`` or ``GRADPRESS_EF``. Workers and servers each keep a
+            residual (``server_decay``: the servers' decays by ``S``, the workers' by ``B``).
         lr: learning rate of this step, carried to the servers (corrected error feedback).
         min_compress_bytes: tensors smaller than this travel uncompressed (default from the
             config, 1 MiB).

@@ -67,7 +67,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             Without it, names are ``group{g}.param{i}`` (same model on all workers required).
         compression: codec spec (``"onebit"``, ``"topk:k=0.001,values=fp16"``, a BytePS dict).
         ef: error feedback: ``"vanilla"``, ``"vanilla:decay=B"`` (residuals decay by ``B``
-            per step), ``"corrected"`` (the group's lr travels with each push), ``"sparse"``
+            per step; ``"vanilla:decay=B,server_decay=S"``: the servers' by ``S``),
+            ``"corrected"`` (the group's lr travels with each push), ``"sparse"``
             (randomk) or None.
         momentum: ``"nesterov"`` applies momentum before compression (dist-EF-SGDM); turn the
             optimizer's own momentum off then.
