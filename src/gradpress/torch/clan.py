@@ -35,8 +35,8 @@ default since section 2.8) instead of a frozen one, with decaying residuals
 stepping along the averaged momentum alone (``blend=False``, the default since section 2.9)
 took it to +6.33 ± 0.75% (+1.79 ± 1.76% at 800 steps); keeping the servers' residuals
 undecayed (``ef="vanilla:decay=0.9,server_decay=1"``, the default since section 2.10) to
-+3.91 ± 0.97% (+1.14 ± 1.24% at 800 steps, +2.03% at 3200 on one seed), and with nothing but
-the defaults (every matrix compressed) from +15.37 ± 1.08% to +6.80 ± 1.10%. Top-k 0.1% does
++3.91 ± 0.97% (+1.14 ± 1.24% at 800 steps; +4.42 ± 2.22% at 3200), and with nothing but the
+defaults (every matrix compressed) from +15.37 ± 1.08% to +6.80 ± 1.10%. Top-k 0.1% does
 not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%; gradient +79.9%,
 never leaving the early plateau): in 1280 compressed steps an element is delivered about once.
 """
