@@ -122,20 +122,35 @@ def check_ef(value: Any) -> str:
     ``"vanilla:decay=B"`` (residuals that decay by ``B`` in [0, 1] each step, see :mod:`.ef`)
     or ``"vanilla:decay=B,server_decay=S"`` (``S`` on the servers instead); ValueError naming
     the value otherwise."""
+    return _ef_text(*_ef_parts(value))
+
+
+def split_ef(kind: str) -> tuple[str, float]:
+    """``(base kind, decay)`` of a kind :func:`check_ef` accepts (decay 1.0 unless given): what
+    a worker's error feedback uses."""
+    base, opts = _ef_parts(kind)
+    return base, opts.get("decay", 1.0)
+
+
+def server_ef(kind: str | None) -> str | None:
+    """The error-feedback kind a server's codec uses for keys pushed with ``kind``: the same,
+    except that ``vanilla:decay=B,server_decay=S`` becomes ``vanilla:decay=S``."""
+    if kind is None:
+        return None
+    base, opts = _ef_parts(kind)
+    if "server_decay" in opts:
+        opts = {"decay": opts["server_decay"]}
+    return _ef_text(base, opts)
+
+
+def _ef_parts(value: Any) -> tuple[str, dict[str, float]]:
+    """``(base kind, {"decay": B, "server_decay": S} as given)`` of an ef kind; ValueError
+    naming the value unless each option is ``decay`` or ``server_decay`` on ``vanilla``, given
+    once, in [0, 1]."""
     v = str(value).strip().lower().replace(" ", "")
     base, sep, opt = v.partition(":")
     if not sep:
-        return _checked("ef", value, EF_KINDS)
-    opts = _decays(value, base, opt)
-    text = f"vanilla:decay={opts.get('decay', 1.0)!r}"
-    if "server_decay" in opts:
-        text += f",server_decay={opts['server_decay']!r}"
-    return text
-
-
-def _decays(value: Any, base: str, opt: str) -> dict[str, float]:
-    """The ``key=B`` options of a ``vanilla:...`` kind; ValueError unless each is ``decay`` or
-    ``server_decay``, given once, with B in [0, 1]."""
+        return _checked("ef", value, EF_KINDS), {}
     out: dict[str, float] = {}
     for item in opt.split(","):
         key, eq, num = item.partition("=")
@@ -148,26 +163,18 @@ def _decays(value: Any, base: str, opt: str) -> dict[str, float]:
                              f"'vanilla:decay=B' with B in [0, 1] (optionally "
                              f"',server_decay=S', S in [0, 1]), or None")
         out[key] = b
-    return out
+    return "vanilla", out
 
 
-def split_ef(kind: str) -> tuple[str, float]:
-    """``(base kind, decay)`` of a kind :func:`check_ef` accepts (decay 1.0 unless given): what
-    a worker's error feedback uses."""
-    v = check_ef(kind)
-    base, _, opt = v.partition(":")
-    return base, _decays(kind, base, opt)["decay"] if opt else 1.0
-
-
-def server_ef(kind: str | None) -> str | None:
-    """The error-feedback kind a server's codec uses for keys pushed with ``kind``: the same,
-    except that ``vanilla:decay=B,server_decay=S`` becomes ``vanilla:decay=S``."""
-    if kind is None:
-        return None
-    v = check_ef(kind)
-    base, _, opt = v.partition(":")
-    s = _decays(kind, base, opt).get("server_decay") if opt else None
-    return v if s is None else f"vanilla:decay={s!r}"
+def _ef_text(base: str, opts: dict[str, float]) -> str:
+    """The canonical text of :func:`_ef_parts`'s result (``decay`` always written, 1.0 unless
+    given, once an option is)."""
+    if not opts:
+        return base
+    text = f"vanilla:decay={opts.get('decay', 1.0)!r}"
+    if "server_decay" in opts:
+        text += f",server_decay={opts['server_decay']!r}"
+    return text
 
 
 def _checked(what: str, value: Any, valid: tuple[str, ...]) -> str:
