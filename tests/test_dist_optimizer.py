@@ -81,7 +81,8 @@ WORKER = textwrap.dedent('''
     # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
     EFS = {"vanilla": "vanilla", "ef21": "ef21", "corrected": "corrected",
            "vanilla:decay=0.9": "vanilla_decay", "vanilla:decay=0.9,server_decay=1": "srv1",
-           "vanilla:decay=0.9,server_decay=0.9": "srv09"}
+           "vanilla:decay=0.9,server_decay=0.9": "srv09",
+           "vanilla:decay=0.8,server_decay=1": "srv1_d08"}
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
                              ("onebit", "ef21", ()), ("onebit", "corrected", ()),
                              ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
@@ -89,6 +90,7 @@ WORKER = textwrap.dedent('''
                              ("onebit", "blend", ()),
                              ("onebit", "vanilla:decay=0.9,server_decay=1", ()),
                              ("onebit", "vanilla:decay=0.9,server_decay=0.9", ()),
+                             ("onebit", "vanilla:decay=0.8,server_decay=1", ()),
                              ("onebit", "default", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{EFS.get(ef, ef)}"
@@ -226,8 +228,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert torch.equal(w0["clanm_onebit_srv09"], w0["clanm_onebit_vanilla_decay"])
     for other in ("clanm_onebit_vanilla_decay", "clanm_onebit"):
         assert not torch.equal(w0["clanm_onebit_srv1"], w0[other]), other
-    # gp.CLAN's default ef: the workers' residuals decay by b1, the servers' do not
-    assert torch.equal(w0["clanm_onebit_default"], w0["clanm_onebit_srv1"])
+    # gp.CLAN's default ef: the workers' residuals decay by 0.8, the servers' do not
+    assert not torch.equal(w0["clanm_onebit_srv1_d08"], w0["clanm_onebit_srv1"])
+    assert torch.equal(w0["clanm_onebit_default"], w0["clanm_onebit_srv1_d08"])
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
     # the default: each worker's own v from its own gradient; the replicas stay identical
