@@ -40,7 +40,8 @@ defaults (every matrix compressed) from +15.37 ± 1.08% to +6.80 ± 1.10%; letti
 residuals decay by 0.8 instead of 0.9 (``ef="vanilla:decay=0.8,server_decay=1"``, the default
 since section 2.11) to +0.78 ± 1.37% (+1.30 ± 0.84% at 800 steps, every seed inside 3% at
 both lengths; but +5.14 ± 0.87% at 3200, the gap made in that run's context phase), and with
-nothing but the defaults to +2.90 ± 4.31% (one seed of three at +7.75%). Top-k 0.1% does
+nothing but the defaults to +2.90 ± 4.31% (one seed of three at +7.75%; at 800 steps a tie,
++5.49 ± 2.70% against +4.98 ± 2.32%). Top-k 0.1% does
 not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%; gradient +79.9%,
 never leaving the early plateau): in 1280 compressed steps an element is delivered about once.
 """
