@@ -50,6 +50,11 @@ GRADIENT_OPTIMIZERS = ("clan", "lans", "lamb", "adam")
 #: 1-bit LANS's best settings on stdlib-mlm (docs/convergence.md 2.8): position embedding exact,
 #: each worker's own second moment, residuals decaying with the momentum.
 _POS_LV_DECAY = {"uncompressed-params": "pos.weight", "variance": "local", "ef-decay": 0.9}
+#: The same without the blend and with the servers' residuals kept (2.10); 2.11 varies ef-decay.
+_SRV1 = {**_POS_LV_DECAY, "no-blend": True, "server-ef-decay": 1.0}
+#: gp.CLAN's settings of 2.10 (every matrix compressed, 100 dense steps); 2.11 varies ef-decay.
+_CLAN_SRV1 = {"variance": "local", "freeze-step": 100, "no-blend": True, "ef-decay": 0.9,
+              "server-ef-decay": 1.0}
 #: Remedy variants (``--variants``): extra ``gradpress train`` options and environment.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -73,12 +78,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pos-lv-decay": {"args": _POS_LV_DECAY},
     "pos-lv-decay-noblend": {"args": {**_POS_LV_DECAY, "no-blend": True}},
     "pos-lv-decay08": {"args": {**_POS_LV_DECAY, "ef-decay": 0.8}},
-    "pos-lv-decay-noblend-srv1": {"args": {**_POS_LV_DECAY, "no-blend": True,
-                                           "server-ef-decay": 1.0}},
-    "pos-lv-decay05-noblend-srv1": {"args": {**_POS_LV_DECAY, "ef-decay": 0.5, "no-blend": True,
-                                             "server-ef-decay": 1.0}},
-    "pos-lv-decay08-noblend-srv1": {"args": {**_POS_LV_DECAY, "ef-decay": 0.8, "no-blend": True,
-                                             "server-ef-decay": 1.0}},
+    "pos-lv-decay-noblend-srv1": {"args": _SRV1},
+    "pos-lv-decay05-noblend-srv1": {"args": {**_SRV1, "ef-decay": 0.5}},
+    "pos-lv-decay08-noblend-srv1": {"args": {**_SRV1, "ef-decay": 0.8}},
     "pos-lv-decay-chunk16k": {"args": _POS_LV_DECAY,
                               "env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},
     "pos-lv-decay-chunk4k": {"args": _POS_LV_DECAY,
@@ -86,12 +88,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lv-freeze100": {"args": {"variance": "local", "freeze-step": 100}},
     "lv-freeze100-noblend": {"args": {"variance": "local", "freeze-step": 100,
                                       "no-blend": True}},
-    "lv-freeze100-noblend-srv1": {"args": {"variance": "local", "freeze-step": 100,
-                                           "no-blend": True, "ef-decay": 0.9,
-                                           "server-ef-decay": 1.0}},
-    "lv-freeze100-noblend-srv1-decay08": {"args": {"variance": "local", "freeze-step": 100,
-                                                   "no-blend": True, "ef-decay": 0.8,
-                                                   "server-ef-decay": 1.0}},
+    "lv-freeze100-noblend-srv1": {"args": _CLAN_SRV1},
+    "lv-freeze100-noblend-srv1-decay08": {"args": {**_CLAN_SRV1, "ef-decay": 0.8}},
     "pos-lv-b95": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
                             "beta1": 0.95, "ef-decay": 0.95}},
     "pos-lv-b98": {"args": {"uncompressed-params": "pos.weight", "variance": "local",

@@ -66,6 +66,9 @@ COMMUNICATES = ("gradient", "momentum")
 #: Uncompressed warm-up steps chosen by the 3-seed runs in docs/convergence.md (50 was enough
 #: for onebit at 200 steps; top-k 0.1% and 400-step runs needed 100).
 DEFAULT_WARMUP_STEPS = 100
+#: ``ef=None`` with ``communicate="momentum"``: the workers' residuals decay by this each step,
+#: the servers' are kept until sent (``docs/convergence.md`` 2.11).
+DEFAULT_MOMENTUM_EF = "vanilla:decay=0.8,server_decay=1.0"
 
 
 def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N802
@@ -191,11 +194,6 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
                                 backward_passes_per_step=backward_passes_per_step,
                                 nan_policy=nan_policy, warmup_steps=warmup_steps,
                                 uncompressed_params=sorted(dense))
-
-
-#: ``ef=None`` with ``communicate="momentum"``: the workers' residuals decay by this each step,
-#: the servers' are kept until sent (``docs/convergence.md`` 2.11).
-DEFAULT_MOMENTUM_EF = "vanilla:decay=0.8,server_decay=1.0"
 
 
 def _default_ef(communicate: str) -> str:
