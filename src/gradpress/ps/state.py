@@ -116,7 +116,7 @@ def _signature(sig: tuple) -> dict[str, Any]:
 
 
 def plan_state(plan: Any) -> dict[str, Any]:
-    """State of one tensor's plan (a ``worker._Plan``): signature, per chunk step and codec."""
+    """State of one tensor's plan (a ``plan.Plan``): signature, per chunk step and codec."""
     return {"signature": _signature(plan.signature),
             "chunks": [{"numel": cs.desc.numel, "step": cs.step, "codec": cs.enc.state_dict()}
                        for cs in plan.chunks]}

@@ -45,13 +45,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..compress import build
-from ..compress.base import Codec
 from ..compress.spec import CodecSpec
 from .budget import ByteBudget
 from .buffers import BufferPool
@@ -62,66 +60,15 @@ from .errors import GradpressError, KeyCollisionError
 from .handle import Handle
 from .inputs import check_out, flat_fp32, host_buffer, on_stream, resolve_codec
 from .partition import assign_balanced, chunk_key, chunk_layout
-from .protocol import CTRL_BYTES, OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
+from .plan import ChunkState, Job, Plan
+from .protocol import OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
-from .transport import CTRL_TAG, Op, Transport
+from .transport import CTRL_TAG, Transport
 from .validate import decode_reply
 
 __all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32", "check_out"]  # re-exported
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _ChunkState:
-    """Per-key state on the worker: descriptor, codecs, buffers and step counter."""
-
-    key: int
-    desc: KeyDescriptor
-    server_rank: int
-    server_name: str
-    enc: Codec
-    dec: Codec
-    nbytes: int  # payload bytes each way (the wire buffers are lent per step by the pool)
-    ctrl: torch.Tensor = field(default_factory=lambda: torch.empty(CTRL_BYTES,
-                                                                     dtype=torch.uint8))
-    step: int = 0
-
-    @property
-    def label(self) -> str:
-        return f"key {self.key} ({self.desc.label})"
-
-
-@dataclass
-class _Plan:
-    """How one named tensor travels: its signature, generation and chunk states."""
-
-    name: str
-    signature: tuple
-    generation: int
-    numel: int
-    chunks: list[_ChunkState]
-    offsets: list[int]
-    last: threading.Event | None = None  # completion of the key's previous push_pull
-    device: torch.device | None = None  # compress_on="device": where the codec state lives
-
-
-@dataclass
-class _Job:
-    """One chunk of one ``push_pull`` call moving through the pipeline."""
-
-    cs: _ChunkState
-    x: torch.Tensor
-    out: torch.Tensor
-    handle: Handle
-    lr: float | None
-    stream: Any = None  # the CUDA stream current at submit (None for other devices)
-    step: int = 0
-    send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
-    recv: torch.Tensor | None = None
-    ops: list[Op] = field(default_factory=list)
-    recv_op: Op | None = None
-    t_sent: float = 0.0
 
 
 class WorkerEngine(WorkerStateMixin):
@@ -140,7 +87,7 @@ class WorkerEngine(WorkerStateMixin):
         self.cfg = cfg
         self.transport = transport
         self.tracer = tracer or Tracer(None, cluster.rank, f"worker {cluster.rank}")
-        self._plans: dict[str, _Plan] = {}
+        self._plans: dict[str, Plan] = {}
         self._key_owner: dict[int, str] = {}
         self._valid_specs: set[str] = set()
         self._server_loads = [0] * cluster.layout.num_servers
@@ -195,7 +142,7 @@ class WorkerEngine(WorkerStateMixin):
         lr = None if lr is None else float(lr)
         for cs, off in zip(plan.chunks, plan.offsets):
             n = cs.desc.numel
-            self._dispatch_q.put(_Job(cs, flat[off:off + n], out[off:off + n], handle, lr,
+            self._dispatch_q.put(Job(cs, flat[off:off + n], out[off:off + n], handle, lr,
                                       stream))
         if not plan.chunks:
             handle._chunk_done()
@@ -259,7 +206,7 @@ class WorkerEngine(WorkerStateMixin):
             self._valid_specs.add(sig)
 
     def _plan(self, name: str, numel: int, average: bool, compression: Any, ef: str | None,
-              lr: float | None, min_compress_bytes: int | None) -> _Plan:
+              lr: float | None, min_compress_bytes: int | None) -> Plan:
         self.check_call(name, compression, ef, lr)
         limit = self.cfg.min_compress_bytes if min_compress_bytes is None else min_compress_bytes
         spec, wrappers = resolve_codec(compression, ef, self.cfg)
@@ -282,7 +229,7 @@ class WorkerEngine(WorkerStateMixin):
         return plan
 
     def _new_plan(self, name: str, numel: int, gen: int, spec: CodecSpec,
-                  wrappers: dict[str, Any], average: bool, signature: tuple) -> _Plan:
+                  wrappers: dict[str, Any], average: bool, signature: tuple) -> Plan:
         layout = chunk_layout(numel, self.cfg.partition_bytes)
         backend = "torch" if self.cfg.compress_on == "device" else "auto"
         decs = [build(spec, c.numel, seed=self.cfg.seed, backend=backend) for c in layout]
@@ -303,11 +250,11 @@ class WorkerEngine(WorkerStateMixin):
             self._server_loads[desc.server] += dec.payload_bytes
             enc = build(spec, c.numel, seed=self.cfg.seed, backend=backend, **wrappers)
             srank = self.cluster.layout.server_rank(desc.server)
-            chunks.append(_ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
+            chunks.append(ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
                                       dec.payload_bytes))
-        return _Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
+        return Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
 
-    def _check_device(self, plan: _Plan, device: torch.device) -> None:
+    def _check_device(self, plan: Plan, device: torch.device) -> None:
         """compress_on="device": a tensor's codec state stays on the device of its first call."""
         if self.cfg.compress_on != "device":
             return
@@ -327,14 +274,14 @@ class WorkerEngine(WorkerStateMixin):
         return agreed
 
     # -- pipeline -------------------------------------------------------------------------------
-    def _loop(self, q: queue.SimpleQueue, fn: Callable[[_Job], None]) -> None:
+    def _loop(self, q: queue.SimpleQueue, fn: Callable[[Job], None]) -> None:
         while True:
             job = q.get()
             if job is None:
                 return
             self._guard(fn, job)
 
-    def _guard(self, fn: Callable[[_Job], None], job: _Job) -> None:
+    def _guard(self, fn: Callable[[Job], None], job: Job) -> None:
         if self._error is not None:
             job.handle._set_error(self._error)
             return
@@ -343,7 +290,7 @@ class WorkerEngine(WorkerStateMixin):
         except BaseException as e:  # noqa: BLE001 - fatal: fail every pending handle
             self.fail(e)
 
-    def _dispatch(self, job: _Job) -> None:  # step 1
+    def _dispatch(self, job: Job) -> None:  # step 1
         n = job.cs.nbytes
         self._budget.acquire(n, self.cfg.timeout, job.cs.label)
         job.send, job.recv = self._buffers.take(n), self._buffers.take(n)  # framed (transport)
@@ -351,7 +298,7 @@ class WorkerEngine(WorkerStateMixin):
         job.cs.step += 1
         self._pool.submit(self._guard, self._push, job)
 
-    def _push(self, job: _Job) -> None:  # steps 2-3
+    def _push(self, job: Job) -> None:  # steps 2-3
         cs, send, t0 = job.cs, job.send, time.perf_counter()
         with on_stream(job.stream):
             self._compress(job)
@@ -366,7 +313,7 @@ class WorkerEngine(WorkerStateMixin):
         self.tracer.add("compress", t0, t1, key=cs.key, step=job.step, name=cs.desc.name,
                         chunk=cs.desc.chunk)
 
-    def _compress(self, job: _Job) -> None:  # step 2, by compress_on (module docstring)
+    def _compress(self, job: Job) -> None:  # step 2, by compress_on (module docstring)
         cs, x, send = job.cs, job.x, job.send
         kw = {"key": cs.key, "step": job.step, "lr": job.lr}
         if x.device.type == "cpu":
@@ -378,7 +325,7 @@ class WorkerEngine(WorkerStateMixin):
             host.copy_(x)  # blocking: this chunk only, while other chunks are compressed
             cs.enc.compress(host, out=send, **kw)
 
-    def _decode(self, job: _Job) -> None:  # step 5, by compress_on (module docstring)
+    def _decode(self, job: Job) -> None:  # step 5, by compress_on (module docstring)
         cs, out, payload = job.cs, job.out, job.recv
         dst = out
         if out.device.type != "cpu":
@@ -391,7 +338,7 @@ class WorkerEngine(WorkerStateMixin):
         if dst is not out:
             out.copy_(dst)  # blocking: the chunk's slice of the device result
 
-    def _receive(self, job: _Job) -> None:  # step 4
+    def _receive(self, job: Job) -> None:  # step 4
         t0 = time.perf_counter()
         job.recv_op.wait(self.cfg.timeout, "pull")  # type: ignore[union-attr]
         t1 = time.perf_counter()
@@ -399,7 +346,7 @@ class WorkerEngine(WorkerStateMixin):
         self.tracer.add("push+pull", job.t_sent, t1, key=job.cs.key, step=job.step)
         self._pool.submit(self._guard, self._finish, job)
 
-    def _finish(self, job: _Job) -> None:  # step 5
+    def _finish(self, job: Job) -> None:  # step 5
         cs = job.cs
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
