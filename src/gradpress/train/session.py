@@ -318,13 +318,12 @@ class Session:
     def step(self, opt: torch.optim.Optimizer) -> float:
         """Schedule, ``synchronize`` (stage ``sync``), optimizer step (stage ``update``)."""
         self.start(warmup=False)
-        lr = self.set_lr(opt)
+        lr = self._lr = self.set_lr(opt)  # before the step: corrected EF pushes this step's lr
         with self.stage("sync"):
             opt.synchronize()  # type: ignore[attr-defined]
         with self.stage("update"), opt.skip_synchronize():  # type: ignore[attr-defined]
             opt.step()
         self.steps += 1
-        self._lr = lr
         return lr
 
     # -- metrics --------------------------------------------------------------------------------
