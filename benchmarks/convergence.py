@@ -80,6 +80,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pos-lv-decay08": {"args": {**_POS_LV_DECAY, "ef-decay": 0.8}},
     "pos-lv-decay-noblend-srv1": {"args": _SRV1},
     "pos-lv-decay05-noblend-srv1": {"args": {**_SRV1, "ef-decay": 0.5}},
+    "pos-lv-decay07-noblend-srv1": {"args": {**_SRV1, "ef-decay": 0.7}},
     "pos-lv-decay08-noblend-srv1": {"args": {**_SRV1, "ef-decay": 0.8}},
     "pos-lv-decay-chunk16k": {"args": _POS_LV_DECAY,
                               "env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},

@@ -39,7 +39,8 @@ undecayed (``ef="vanilla:decay=0.9,server_decay=1"``, section 2.10's default) to
 defaults (every matrix compressed) from +15.37 ± 1.08% to +6.80 ± 1.10%; letting the workers'
 residuals decay by 0.8 instead of 0.9 (``ef="vanilla:decay=0.8,server_decay=1"``, the default
 since section 2.11) to +0.78 ± 1.37% (+1.30 ± 0.84% at 800 steps, every seed inside 3% at
-both lengths; but +5.14 ± 0.87% at 3200, the gap made in that run's context phase), and with
+both lengths; but +5.14 ± 0.87% at 3200, the gap made in that run's context phase; 0.7:
++3.81 ± 1.42% at 3200, section 2.12), and with
 nothing but the defaults to +2.90 ± 4.31% (one seed of three at +7.75%; at 800 steps a tie,
 +5.49 ± 2.70% against +4.98 ± 2.32%). Top-k 0.1% does
 not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%; gradient +79.9%,
@@ -102,7 +103,10 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             1.10% with the workers' decay 0.9, 3 seeds each; with ``pos.weight`` exact, decay
             0.8 against 0.9: +0.78 ± 1.37% against +3.91 ± 0.97%). Tuning: 0.7-0.8 was best
             on one seed at 800 and 1600 steps; 0.5 was better at 1600 but worse at 800 steps
-            on every seed, 0.9 and above worse at 1600, 0 (no feedback) far worse. With
+            on every seed, 0.9 and above worse at 1600, 0 (no feedback) far worse. For a long
+            compression stage try 0.7 (3 seeds, ``pos.weight`` exact, section 2.12: +3.81 ±
+            1.42% against 0.8's +5.14 ± 0.87% at 3200 steps, the same at 1600, one point
+            worse at 800); a lower decay is further behind mid-run and catches up late. With
             ``"gradient"``, ``"vanilla"``. Others: ``"vanilla"`` (no decay),
             ``"vanilla:decay=B"`` (on both sides), ``"corrected"`` (scales the residual by
             lr_prev/lr_now, useful with steep lr schedules) and, with
