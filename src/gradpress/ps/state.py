@@ -43,6 +43,7 @@ from .transport import CTRL_TAG
 
 if TYPE_CHECKING:
     from .cluster import Cluster, Layout
+    from .plan import Plan
     from .transport import Transport
 
 __all__ = ["FORMAT", "META_FILE", "worker_file", "server_file", "atomic_save", "load_file",
@@ -115,8 +116,8 @@ def _signature(sig: tuple) -> dict[str, Any]:
             "average": average}
 
 
-def plan_state(plan: Any) -> dict[str, Any]:
-    """State of one tensor's plan (a ``plan.Plan``): signature, per chunk step and codec."""
+def plan_state(plan: Plan) -> dict[str, Any]:
+    """State of one tensor's plan: signature, per chunk step and codec."""
     return {"signature": _signature(plan.signature),
             "chunks": [{"numel": cs.desc.numel, "step": cs.step, "codec": cs.enc.state_dict()}
                        for cs in plan.chunks]}
@@ -143,7 +144,7 @@ def check_worker_state(state: Any) -> dict[str, dict[str, Any]]:
     return tensors
 
 
-def restore_plan(plan: Any, entry: Mapping[str, Any]) -> None:
+def restore_plan(plan: Plan, entry: Mapping[str, Any]) -> None:
     """Load a saved tensor ``entry`` into a fresh ``plan``; ValueError naming the tensor."""
     name, saved = plan.name, dict(entry["signature"])
     current = _signature(plan.signature)
