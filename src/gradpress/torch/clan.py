@@ -42,7 +42,9 @@ since section 2.11) to +0.78 ± 1.37% (+1.30 ± 0.84% at 800 steps, every seed i
 both lengths; but +5.14 ± 0.87% at 3200, the gap made in that run's context phase; 0.7:
 +3.81 ± 1.42% at 3200, section 2.12), and with
 nothing but the defaults to +2.90 ± 4.31% (one seed of three at +7.75%; at 800 steps a tie,
-+5.49 ± 2.70% against +4.98 ± 2.32%). Top-k 0.1% does
++5.49 ± 2.70% against +4.98 ± 2.32%); at 3200 steps the defaults are within 3% on every seed,
++0.38 ± 2.21% (section 2.12: their gap shrinks with the run, while with ``pos.weight`` exact
+and 20% dense it grows). Top-k 0.1% does
 not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%; gradient +79.9%,
 never leaving the early plateau): in 1280 compressed steps an element is delivered about once.
 """
