@@ -143,7 +143,7 @@ class WorkerEngine(WorkerStateMixin):
         for cs, off in zip(plan.chunks, plan.offsets):
             n = cs.desc.numel
             self._dispatch_q.put(Job(cs, flat[off:off + n], out[off:off + n], handle, lr,
-                                      stream))
+                                     stream))
         if not plan.chunks:
             handle._chunk_done()
         return handle
@@ -251,7 +251,7 @@ class WorkerEngine(WorkerStateMixin):
             enc = build(spec, c.numel, seed=self.cfg.seed, backend=backend, **wrappers)
             srank = self.cluster.layout.server_rank(desc.server)
             chunks.append(ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
-                                      dec.payload_bytes))
+                                     dec.payload_bytes))
         return Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
 
     def _check_device(self, plan: Plan, device: torch.device) -> None:
