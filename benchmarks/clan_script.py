@@ -1,0 +1,80 @@
+"""The bundled transformer task through the public API: ``gp.CLAN`` in a user script.
+
+``benchmarks/convergence.py`` measures 1-bit LANS through ``gradpress train --optimizer
+onebit-lans``. This script trains the same task (stdlib-mlm: model, data, evaluation from
+``gradpress.tasks``) with the optimizer a user would build, ``gp.CLAN``, under ``gradpress
+train``'s script mode, so the recommendation of ``docs/convergence.md`` section 2.13 can be
+checked as it is written there::
+
+    gradpress train --compression onebit --lr 0.01 --steps 800 --warmup-steps 30 --seed 0 \\
+        --no-progress --out runs/clan-script/pos-w160_st800_s0 \\
+        -- python benchmarks/clan_script.py --warmup-steps 160 --uncompressed-params pos.weight
+
+Compare its ``val_loss`` with the driver's run of the same seed and length
+(``onebit-lans_onebit_pos-lv-decay08-noblend-srv1-freeze160``). ``--lr``, ``--steps``,
+``--warmup-steps`` (the lr schedule's) and ``--seed`` come from ``gradpress train`` (its
+``--compression`` only labels the report and warms the links up); the script's own options
+give ``gp.CLAN``'s codec, dense phase and exact tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import gradpress as gp
+from gradpress.tasks import get_task
+from gradpress.train import Session
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", default="stdlib-mlm", help="bundled task (default: stdlib-mlm)")
+    p.add_argument("--compression", default="onebit", help="gp.CLAN's codec spec")
+    p.add_argument("--warmup-steps", type=int, default=100, help="gp.CLAN's dense steps")
+    p.add_argument("--uncompressed-params", nargs="*", default=[],
+                   help="parameter names kept exact (e.g. pos.weight)")
+    p.add_argument("--min-compress-bytes", type=int, default=16 << 10,
+                   help="smaller tensors travel exact (default 16 KiB, as gradpress train; "
+                        "gp.CLAN's own default of 1 MiB would leave this small model dense)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    gp.init()
+    s = Session.from_env()
+    task = get_task(args.task)
+    # 1. the task's model, the same start on every worker
+    model = task.build_model(s.cfg.seed)
+    model.train()
+    opt = gp.CLAN(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
+                  weight_decay=task.defaults.weight_decay, warmup_steps=args.warmup_steps,
+                  uncompressed_params=args.uncompressed_params,
+                  min_compress_bytes=args.min_compress_bytes)
+    gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})
+    s.start()
+    bs, world = task.defaults.batch_size, gp.size()
+    eval_every = task.steps_per_epoch(world, bs)
+    epoch = 0
+    while s.steps < s.total_steps:
+        # 2. one step: forward/backward, synchronize and step (schedule from the session)
+        for batch in task.train_batches(gp.rank(), world, bs, s.cfg.seed, epoch):
+            opt.zero_grad()
+            with s.stage("compute"):
+                loss = task.loss(model, batch)
+                loss.backward()
+            s.step(opt)
+            s.log_step(float(loss.detach()), epoch)
+            # 3. evaluation on rank 0, where the bundled task's runs evaluate
+            if gp.rank() == 0 and (s.steps % eval_every == 0 or s.steps == s.total_steps):
+                with s.stage("eval"):
+                    s.log_eval(task.evaluate(model))
+            if s.steps >= s.total_steps:
+                break
+        epoch += 1
+    s.finish(model, task=args.task)
+    gp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
