@@ -31,6 +31,13 @@ defaults, every matrix compressed (2.11, 2.12)       +5.49 ± 2.70  +2.90 ± 4.3
 ``uncompressed_params=["pos.weight"]``, 160 dense    +1.30 ± 0.84  -2.13 ± 0.85  +0.75 ± 1.88
 ===================================================  ============  ============  ============
 
+``"momentum"`` against ``"gradient"`` (section 2.6: 100 dense steps, plain error feedback, and
+for the momentum the frozen second moment and blend of that time), at 200 / 400 / 800 steps:
+one-bit +0.25 / +0.67 / +6.39% against +1.34 (50 warm-up) / +2.12 / +8.57%; top-k 0.1% fp16
++0.78 / +2.25 / +8.25% against +0.01 / +2.35 / +9.00% (gradient at its own lr 0.02). So
+``"momentum"`` is the default: better for one-bit at every length and for top-k from 400 steps
+on.
+
 The last row (``warmup_steps=160``, section 2.13) is within 3% on every seed at every length:
 for a transformer, keep a learned position embedding exact and make the dense phase a fixed
 number of steps that ends before the model starts to use its context, not a fraction of the run.
@@ -110,9 +117,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             context, not a fraction of the run: on stdlib-mlm with ``pos.weight`` exact, 160
             kept one-bit within 3% of LANS on every seed at 800, 1600 and 3200 steps, 100 was
             too few at 800 (+2.56 ± 1.27%) and 20% of a 3200-step run too many (+5.14 ±
-            0.87%; ``docs/convergence.md`` 2.13). With ``"momentum"`` it is also
-            where the second moment freezes, so it must be >= 1 (1-bit Adam uses 15-25% of
-            the run); ``communicate="gradient", warmup_steps=0`` compresses from the first
+            0.87%; ``docs/convergence.md`` 2.13). With ``"momentum"`` it must be >= 1 (a
+            frozen second moment, ``variance="frozen"``, freezes there; 1-bit Adam uses
+            15-25% of the run); ``communicate="gradient", warmup_steps=0`` compresses from the first
             step (small CNNs show no gap). They cost dense traffic: negligible in a long run,
             half of a 200-step one.
         weight_decay, betas, eps: LANS hyperparameters (``docs/optimizers.md``).
