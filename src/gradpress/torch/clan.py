@@ -41,8 +41,10 @@ on.
 The last row (``warmup_steps=160``, section 2.13) is within 3% on every seed at every length:
 for a transformer, keep a learned position embedding exact and make the dense phase a fixed
 number of steps that ends before the model starts to use its context, not a fraction of the run.
-It is not shown past 3200 steps: a 6400-step run of it (seed 1) diverged from step ~1950, where
-the longer schedule keeps the lr near its peak, while uncompressed LANS did not.
+It is not shown past 3200 steps: a 6400-step run of it (seed 1, no weight decay, as all these
+runs) diverged from step ~1950, where the longer schedule keeps the lr near its peak, while
+uncompressed LANS did not; with ``weight_decay=0.01`` (the default here) it had not diverged when
+stopped at step 2936.
 Top-k 0.1% does not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%;
 gradient +79.9%, never leaving the early plateau): in 1280 compressed steps an element is
 delivered about once. Prefer one-bit for transformers.
