@@ -24,6 +24,7 @@ import argparse
 import gradpress as gp
 from gradpress.tasks import get_task
 from gradpress.train import Session
+from gradpress.train.worker import _train
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,25 +54,10 @@ def main() -> None:
                   min_compress_bytes=args.min_compress_bytes)
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})
     s.start()
-    bs, world = task.defaults.batch_size, gp.size()
-    eval_every = task.steps_per_epoch(world, bs)
-    epoch = 0
-    while s.steps < s.total_steps:
-        # 2. one step: forward/backward, synchronize and step (schedule from the session)
-        for batch in task.train_batches(gp.rank(), world, bs, s.cfg.seed, epoch):
-            opt.zero_grad()
-            with s.stage("compute"):
-                loss = task.loss(model, batch)
-                loss.backward()
-            s.step(opt)
-            s.log_step(float(loss.detach()), epoch)
-            # 3. evaluation on rank 0, where the bundled task's runs evaluate
-            if gp.rank() == 0 and (s.steps % eval_every == 0 or s.steps == s.total_steps):
-                with s.stage("eval"):
-                    s.log_eval(task.evaluate(model))
-            if s.steps >= s.total_steps:
-                break
-        epoch += 1
+    # 2-3. the bundled task's own loop (the one `gradpress train --task` runs): steps with the
+    # session's schedule, evaluation on rank 0 once per epoch and at the end
+    bs = task.defaults.batch_size
+    _train(task, model, opt, s, bs, task.steps_per_epoch(gp.size(), bs))
     s.finish(model, task=args.task)
     gp.shutdown()
 
