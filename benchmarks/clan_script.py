@@ -12,9 +12,10 @@ checked as it is written there::
 
 Compare its ``val_loss`` with the driver's run of the same seed and length
 (``onebit-lans_onebit_pos-lv-decay08-noblend-srv1-freeze160``). ``--lr``, ``--steps``,
-``--warmup-steps`` (the lr schedule's) and ``--seed`` come from ``gradpress train`` (its
-``--compression`` only labels the report and warms the links up); the script's own options
-give ``gp.CLAN``'s codec, dense phase and exact tensors.
+``--warmup-steps`` (the lr schedule's), ``--weight-decay`` (default: the
+task's) and ``--seed`` come from ``gradpress train`` (its ``--compression`` only labels the
+report and warms the links up); the script's own options give ``gp.CLAN``'s codec, dense
+phase and exact tensors.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ def main() -> None:
     # 1. the task's model, the same start on every worker
     model = task.build_model(s.cfg.seed)
     model.train()
+    wd = task.defaults.weight_decay if s.cfg.weight_decay is None else s.cfg.weight_decay
     opt = gp.CLAN(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
-                  weight_decay=task.defaults.weight_decay, warmup_steps=args.warmup_steps,
+                  weight_decay=wd, warmup_steps=args.warmup_steps,
                   uncompressed_params=args.uncompressed_params,
                   min_compress_bytes=args.min_compress_bytes)
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})

@@ -322,3 +322,17 @@ def test_distributed_optimizer_rejects_unmatched_uncompressed_params() -> None:
                                 named_parameters=[(f"lin.{n}", p)
                                                   for n, p in model.named_parameters()],
                                 uncompressed_params=["lin.bais"])
+
+
+@pytest.mark.parametrize("communicate", ["momentum", "gradient"])
+def test_clan_decays_matrices_only(communicate: str) -> None:
+    # BERT's recipe, as gradpress train: no weight decay on biases and normalisation weights;
+    # the flat order (the momenta's keys) is the matrices first, each part in the given order
+    model = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.Linear(3, 4),
+                                torch.nn.Linear(4, 2))
+    model[2].bias.requires_grad_(False)
+    opt = gp.CLAN(model.named_parameters(), weight_decay=0.05, communicate=communicate)
+    flat = [(p, g["weight_decay"]) for g in opt.param_groups for p in g["params"]]
+    want = [(model[1].weight, 0.05), (model[2].weight, 0.05), (model[0].weight, 0.0),
+            (model[0].bias, 0.0), (model[1].bias, 0.0)]
+    assert [(id(p), wd) for p, wd in flat] == [(id(p), wd) for p, wd in want]

@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from .lamb import LAMB
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam
 from .onebit_lans import OneBitLANS
 
-__all__ = ["LANS", "LAMB", "OneBitAdam", "OneBitLANS", "Communicate", "clan", "CLAN_REFERENCE_LR"]
+__all__ = ["LANS", "LAMB", "OneBitAdam", "OneBitLANS", "Communicate", "clan", "CLAN_REFERENCE_LR",
+           "weight_decay_groups"]
 
 #: The paper's learning rates for BERT-base at total batch 2k (Zhong et al. 2021, phase 1).
 CLAN_REFERENCE_LR = {
@@ -25,6 +28,21 @@ CLAN_REFERENCE_LR = {
     "onebit": 0.0014865,    # CLAN with onebit compression and error feedback
     "topk": 0.001051,       # CLAN with topk:k=0.001 (0.1%) and error feedback
 }
+
+
+def weight_decay_groups(params: Iterable[torch.nn.Parameter],
+                        weight_decay: float) -> list[dict[str, Any]]:
+    """Param groups with ``weight_decay`` on weight matrices and kernels only.
+
+    Tensors of two or more dimensions get ``weight_decay``; biases and normalisation weights
+    (one dimension or none) get 0, as BERT's and LANS's recipes do (decaying a LayerNorm gain
+    pulls it towards zero). Parameters with ``requires_grad=False`` are left out; an empty
+    group is dropped. The decayed group comes first, each in the order given.
+    """
+    ps = [p for p in params if p.requires_grad]
+    decay, rest = [p for p in ps if p.dim() > 1], [p for p in ps if p.dim() <= 1]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
 def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from ..compress.spec import CodecSpec, parse_spec
-from ..optim import OneBitLANS
+from ..optim import OneBitLANS, weight_decay_groups
 from ..optim import clan as clan_optimizer
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
 
@@ -126,7 +126,13 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             15-25% of the run); ``communicate="gradient", warmup_steps=0`` compresses from the first
             step (small CNNs show no gap). They cost dense traffic: negligible in a long run,
             half of a 200-step one.
-        weight_decay, betas, eps: LANS hyperparameters (``docs/optimizers.md``).
+        weight_decay: decoupled weight decay on weight matrices and kernels (tensors of two
+            or more dimensions); biases and normalisation weights get none, as in BERT's
+            recipe and ``gradpress train`` (:func:`gradpress.optim.weight_decay_groups`).
+            Tuning: keep some on long runs. On stdlib-mlm a 6400-step one-bit run without
+            it diverged once the lr stayed near its peak; with 0.01 it had not when stopped
+            at step 2936 (``docs/convergence.md`` 2.13).
+        betas, eps: LANS hyperparameters (``docs/optimizers.md``).
         freeze_variance: freeze LANS's second moment when compression starts (after
             ``warmup_steps``, which must then be >= 1), as 1-bit Adam does; see
             ``docs/convergence.md`` for what it did on stdlib-mlm.
@@ -193,14 +199,16 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
                          f"warmup_steps >= 1 (the second moment is frozen when compression "
                          f"starts), got warmup_steps={warmup_steps!r}; communicate='gradient' "
                          f"compresses from the first step")
-    named = list(named_parameters)
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    # the order of weight_decay_groups (decayed matrices first): keys are flat positions
+    named = [x for x in named if x[1].dim() > 1] + [x for x in named if x[1].dim() <= 1]
+    groups = weight_decay_groups([p for _, p in named], weight_decay)
     dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
     if communicate == "momentum":
-        return _momentum_clan(named, lr, compression, ef, warmup_steps, weight_decay, betas, eps,
-                              min_compress_bytes, backward_passes_per_step, nan_policy, dense,
-                              refresh_every, variance, bool(blend))
-    opt = clan_optimizer([p for _, p in named], lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay,
+        return _momentum_clan(named, groups, lr, compression, ef, warmup_steps, weight_decay,
+                              betas, eps, min_compress_bytes, backward_passes_per_step,
+                              nan_policy, dense, refresh_every, variance, bool(blend))
+    opt = clan_optimizer(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          freeze_step=warmup_steps if freeze_variance else None)
     return DistributedOptimizer(opt, named_parameters=named, compression=compression, ef=ef,
                                 min_compress_bytes=min_compress_bytes,
@@ -214,7 +222,8 @@ def _default_ef(communicate: str) -> str:
     return DEFAULT_MOMENTUM_EF if communicate == "momentum" else "vanilla"
 
 
-def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
+def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]],
+                   param_groups: list[dict[str, Any]], lr: float,
                    compression: str | Mapping[str, Any] | CodecSpec, ef: str, warmup_steps: int,
                    weight_decay: float, betas: tuple[float, float], eps: float,
                    min_compress_bytes: int | None, backward_passes_per_step: int,
@@ -231,7 +240,7 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
     build(spec, 4096)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
     groups: list[dict[str, Any]] = []           # the optimizer's, once built
-    # keys are positions in the optimizer's flat parameter order (one group: named's order)
+    # keys are positions in the optimizer's flat parameter order (the groups hold named's order)
     exact = {str(i) for i, (n, _) in enumerate(named) if n in dense}
 
     def communicate(key: str, m: torch.Tensor) -> Any:
@@ -241,7 +250,7 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]], lr: float,
         return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
                                compression=spec, lr=step_lr, min_compress_bytes=limit)
 
-    opt = OneBitLANS([p for _, p in named], lr=lr, betas=betas, eps=eps,
+    opt = OneBitLANS(param_groups, lr=lr, betas=betas, eps=eps,
                      weight_decay=weight_decay, freeze_step=warmup_steps,
                      communicate=communicate, ef21=ef21, refresh_every=refresh_every,
                      variance=variance, blend=blend)

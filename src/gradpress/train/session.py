@@ -138,14 +138,6 @@ def codec_ratios(named: list[tuple[str, torch.Tensor]], spec: str, min_compress_
             "model_vs_fp16": ratio(model_dense // 2, model_wire)}
 
 
-def _param_groups(model: nn.Module, wd: float) -> list[dict[str, Any]]:
-    """Weight decay on weight matrices and kernels only (not biases, norm weights)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() > 1]
-    rest = [p for p in model.parameters() if p.requires_grad and p.dim() <= 1]
-    return [g for g in ({"params": decay, "weight_decay": wd},
-                        {"params": rest, "weight_decay": 0.0}) if g["params"]]
-
-
 class Session:
     """Optimizer, schedule, stage timers and metrics of one run on one worker.
 
@@ -199,7 +191,7 @@ class Session:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``."""
         import gradpress as gp
-        from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS, clan
+        from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS, clan, weight_decay_groups
         from gradpress.torch.optimizer import match_names
 
         cfg, hp = self.cfg, self.hparams
@@ -208,7 +200,8 @@ class Session:
         exact = match_names([n for n, _ in named], cfg.uncompressed_params,
                             "--uncompressed-params")
         self._exact = frozenset(f"{cfg.name}.{n}" for n in exact)
-        lr, wd, groups = hp["lr"], hp["weight_decay"], _param_groups(model, hp["weight_decay"])
+        lr, wd = hp["lr"], hp["weight_decay"]
+        groups = weight_decay_groups(model.parameters(), wd)
         wrap: dict[str, Any] = {"compression": cfg.compression, "ef": cfg.effective_ef,
                                 "min_compress_bytes": cfg.min_compress_bytes,
                                 "warmup_steps": hp.get("uncompressed_steps", 0),
