@@ -25,7 +25,7 @@ import argparse
 import gradpress as gp
 from gradpress.tasks import get_task
 from gradpress.train import Session
-from gradpress.train.worker import _train
+from gradpress.train.worker import train_steps
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,7 +59,7 @@ def main() -> None:
     # 2-3. the bundled task's own loop (the one `gradpress train --task` runs): steps with the
     # session's schedule, evaluation on rank 0 once per epoch and at the end
     bs = task.defaults.batch_size
-    _train(task, model, opt, s, bs, task.steps_per_epoch(gp.size(), bs))
+    train_steps(task, model, opt, s, bs, task.steps_per_epoch(gp.size(), bs))
     s.finish(model, task=args.task)
     gp.shutdown()
 

@@ -36,7 +36,7 @@ from typing import Any
 from .config import TrainConfig
 from .session import Session
 
-__all__ = ["run_task", "total_steps", "main"]
+__all__ = ["run_task", "train_steps", "total_steps", "main"]
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int, defaults: Any) -> int:
@@ -76,15 +76,21 @@ def run_task(cfg: TrainConfig, sessions: list[Session] | None = None) -> Session
     opt = s.optimizer(model)
     gp.broadcast_parameters({f"{cfg.name}.{k}": v for k, v in model.state_dict().items()})
     s.start()
-    epochs = _train(task, model, opt, s, bs, cfg.eval_every or spe)
+    epochs = train_steps(task, model, opt, s, bs, cfg.eval_every or spe)
     # 4. replicas check and summary
     s.finish(model, task=cfg.task, epochs=epochs, steps_per_epoch=spe, batch_size=bs,
              total_steps=total)
     return s
 
 
-def _train(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every: int) -> int:
-    """Steps 2-3 until ``s.total_steps``; returns the number of epochs begun."""
+def train_steps(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every: int) -> int:
+    """Steps 2-3 until ``s.total_steps``; returns the number of epochs begun.
+
+    The bundled task's loop with any optimizer: a script started by ``gradpress train ... --
+    python SCRIPT`` that builds its own (``benchmarks/clan_script.py``) calls it between
+    ``s.start()`` and ``s.finish()``; ``bs`` is the global batch size and rank 0 evaluates
+    every ``eval_every`` steps and at the end.
+    """
     rank, world, total = s.rank, s.size, s.total_steps
     bar = _progress(s.cfg, total, rank)
     epoch = 0
