@@ -119,6 +119,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
       help="parameters (names or fnmatch patterns, e.g. pos.weight) whose gradients or "
            "momenta always travel uncompressed")
     a("--eval-every", type=int, help="evaluate every N steps (default: every epoch)")
+    a("--stop-on-divergence", type=float, metavar="F",
+      help="stop when the 50-step mean training loss climbs back F of the way from its lowest "
+           "to its first (0.5: half-way; default: never)")
     a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
     a("--name", default="run", help="run name (tensor names, reports; default run)")
     a("--out", default="runs/train", help="run directory (default runs/train)")
@@ -147,7 +150,8 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
         momentum=args.momentum, beta1=args.beta1, beta2=args.beta2,
         min_compress_bytes=args.min_compress_bytes,
         uncompressed_params=tuple(args.uncompressed_params),
-        eval_every=args.eval_every, seed=args.seed, out=args.out,
+        stop_on_divergence=args.stop_on_divergence, eval_every=args.eval_every,
+        seed=args.seed, out=args.out,
         progress=not args.no_progress)
 
 

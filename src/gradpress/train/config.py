@@ -169,6 +169,10 @@ class TrainConfig:
     #: names, e.g. ``pos.weight``) that always travel uncompressed, whatever their size; each
     #: must match a parameter (checked when the model is built).
     uncompressed_params: tuple[str, ...] = ()
+    #: Stop the run (status ``failed``, with the reason) when the training loss, averaged
+    #: over 50 steps, climbs back this fraction of the way from its lowest 50-step mean to
+    #: its first (0.5: half-way); None: never (``gradpress.train.guard``).
+    stop_on_divergence: float | None = None
     #: Evaluate every this many steps; None: after every epoch. The end is always evaluated.
     eval_every: int | None = None
     #: Seed of the model initialisation and of the data order.
@@ -216,6 +220,7 @@ class TrainConfig:
         _positive_int(self, "seed", optional=False, lo=0)
         _number(self, "lr", 0.0, strict=True)
         _number(self, "weight_decay", 0.0, strict=False)
+        _number(self, "stop_on_divergence", 0.0, strict=True)
         _number(self, "momentum", 0.0, strict=False, hi=1.0)
         for name in ("beta1", "beta2"):
             _number(self, name, 0.0, strict=False, hi=1.0)

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from .config import DEFAULT_UNCOMPRESSED_STEPS, NO_UNCOMPRESSED_STEPS, TrainConfig
+from .guard import DivergenceGuard, TrainingDiverged
 from .report import MetricsWriter
 
 __all__ = ["Session", "CONFIG_ENV", "STAGES", "resolve_hparams", "codec_ratios"]
@@ -170,6 +171,8 @@ class Session:
         self.setup_s = 0.0
         self._last_eval: dict[str, Any] | None = None
         self._lr = float(self.hparams["lr"])
+        frac = cfg.stop_on_divergence
+        self.guard = DivergenceGuard(frac) if frac is not None and self.rank == 0 else None
 
     @classmethod
     def from_env(cls, total_steps: int | None = None) -> Session:
@@ -327,7 +330,9 @@ class Session:
         return dict(gp.stats())
 
     def log_step(self, loss: float, epoch: int = 0) -> dict[str, Any] | None:
-        """Rank 0: append the step's record (loss, lr, time, byte deltas, stage seconds)."""
+        """Rank 0: append the step's record (loss, lr, time, byte deltas, stage seconds);
+        with ``cfg.stop_on_divergence``, then raises
+        :class:`~gradpress.train.guard.TrainingDiverged` if the loss climbed back that far."""
         now, stats = time.perf_counter(), self._stats()
         rec = None
         if self.writer is not None:
@@ -341,6 +346,12 @@ class Session:
             self.writer.write(rec)
         self._last_stats, self._last_t = stats, now
         self._step_stage = dict.fromkeys(STAGES, 0.0)
+        if self.guard is not None:
+            try:
+                self.guard.observe(loss, self.steps)
+            except TrainingDiverged as e:
+                self.ended("failed", f"{type(e).__name__}: {e}")
+                raise
         return rec
 
     def log_eval(self, metrics: Any, primary: str | None = None,
@@ -383,10 +394,11 @@ class Session:
             rec["params"] = sum(p.numel() for _, p in self._named)
         self.writer.write(rec)
 
-    def interrupted(self, reason: str) -> None:
-        """Rank 0: record that the run stopped early (the metrics so far stay on disk)."""
+    def ended(self, status: str, reason: str) -> None:
+        """Rank 0: record that the run stopped early with ``status`` (``interrupted`` or
+        ``failed``) and why; the metrics so far stay on disk."""
         if self.writer is not None:
-            self.writer.write({"kind": "end", "run": self.cfg.name, "status": "interrupted",
+            self.writer.write({"kind": "end", "run": self.cfg.name, "status": status,
                                "reason": reason, "step": self.steps,
                                "time_s": time.perf_counter() - self._t0})
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TrainConfig
+from .guard import TrainingDiverged
 from .session import Session
 
 __all__ = ["run_task", "train_steps", "total_steps", "main"]
@@ -162,14 +163,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)
         if sessions:
-            sessions[-1].interrupted(str(e) or "SIGINT")
+            sessions[-1].ended("interrupted", str(e) or "SIGINT")
         sys.stderr.flush()
         os._exit(130)
+    except TrainingDiverged as e:  # recorded by the session; the message says it all
+        print(f"gradpress worker: {e}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as e:
-        if sessions and sessions[-1].writer is not None:
-            sessions[-1].writer.write({"kind": "end", "run": sessions[-1].cfg.name,
-                                       "status": "failed", "step": sessions[-1].steps,
-                                       "reason": f"{type(e).__name__}: {e}"})
+        if sessions:
+            sessions[-1].ended("failed", f"{type(e).__name__}: {e}")
         raise
 
 
