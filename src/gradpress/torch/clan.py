@@ -94,7 +94,8 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
     """Build the CLAN optimizer: ``gradpress.optim.clan`` wrapped in a ``DistributedOptimizer``.
 
     Args:
-        named_parameters: ``model.named_parameters()`` (names key the tensors on all workers).
+        named_parameters: ``model.named_parameters()`` (names key the tensors on all workers;
+            parameters with ``requires_grad=False`` are left out).
         lr: learning rate. The paper's BERT-base values (batch 2k): 0.0014865 with onebit,
             0.001051 with topk 0.1%. Tune it per codec: on stdlib-mlm (200 steps) onebit did
             best at 0.01 and topk 0.1% at 0.02 (0.005 and 0.04 were far worse), while
