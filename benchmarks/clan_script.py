@@ -12,10 +12,10 @@ checked as it is written there::
 
 Compare its ``val_loss`` with the driver's run of the same seed and length
 (``onebit-lans_onebit_pos-lv-decay08-noblend-srv1-freeze160``). ``--lr``, ``--steps``,
-``--warmup-steps`` (the lr schedule's), ``--weight-decay`` (default: the
-task's) and ``--seed`` come from ``gradpress train`` (its ``--compression`` only labels the
-report and warms the links up); the script's own options give ``gp.CLAN``'s codec, dense
-phase and exact tensors.
+``--warmup-steps`` (the lr schedule's), ``--weight-decay`` (default: the task's) and
+``--seed`` come from ``gradpress train`` (its ``--compression`` only labels the report and
+warms the links up); the script's own options give ``gp.CLAN``'s codec, dense phase and exact
+tensors.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def train_steps(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every
 
     The bundled task's loop with any optimizer: a script started by ``gradpress train ... --
     python SCRIPT`` that builds its own (``benchmarks/clan_script.py``) calls it between
-    ``s.start()`` and ``s.finish()``; ``bs`` is the global batch size and rank 0 evaluates
+    ``s.start()`` and ``s.finish()``; ``bs`` is the per-worker batch size and rank 0 evaluates
     every ``eval_every`` steps and at the end.
     """
     rank, world, total = s.rank, s.size, s.total_steps
