@@ -29,11 +29,11 @@ setting                                              800 steps     1600 steps   
 defaults, every matrix compressed (2.11, 2.12)       +5.49 ± 2.70  +2.90 ± 4.31  +0.38 ± 2.21
 ``uncompressed_params=["pos.weight"]``, 20% dense    +1.30 ± 0.84  +0.78 ± 1.37  +5.14 ± 0.87
 ``uncompressed_params=["pos.weight"]``, 160 dense    +1.30 ± 0.84  -2.13 ± 0.85  +0.75 ± 1.88
-the same with ``weight_decay=0.01`` (2.14)           +1.25 ± 0.75  -2.26 ± 0.80  -
+the same with ``weight_decay=0.01`` (2.14)           +1.25 ± 0.75  -2.26 ± 0.80  +2.08 (s1)
 ===================================================  ============  ============  ============
 
 (All rows but the last ran with weight decay 0, against LANS with 0; the last with 0.01, this
-function's default, against LANS with 0.01.)
+function's default, against LANS with 0.01; "s1": seed 1 only.)
 
 ``"momentum"`` against ``"gradient"`` (section 2.6: 100 dense steps, plain error feedback, and
 for the momentum the frozen second moment and blend of that time), at 200 / 400 / 800 steps:
@@ -48,7 +48,7 @@ number of steps that ends before the model starts to use its context, not a frac
 Past 3200 steps it needs weight decay: a 6400-step run of it (seed 1) without decay diverged
 from step ~1950, where the longer schedule keeps the lr near its peak, while uncompressed LANS
 did not; with ``weight_decay=0.01`` (the default here) the same run ended 0.84% ahead of LANS
-with the same decay (its gap peaked at +5.6% at step 1456 and was inside 3% from step 3640 on).
+with the same decay (one seed) (its gap peaked at +5.6% at step 1456 and was inside 3% from step 3640 on).
 Top-k 0.1% does not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%;
 gradient +79.9%, never leaving the early plateau): in 1280 compressed steps an element is
 delivered about once. Prefer one-bit for transformers.
