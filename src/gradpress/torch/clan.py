@@ -205,10 +205,11 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
                          f"warmup_steps >= 1 (the second moment is frozen when compression "
                          f"starts), got warmup_steps={warmup_steps!r}; communicate='gradient' "
                          f"compresses from the first step")
-    named = [(n, p) for n, p in named_parameters if p.requires_grad]
-    # the order of weight_decay_groups (decayed matrices first): keys are flat positions
-    named = [x for x in named if x[1].dim() > 1] + [x for x in named if x[1].dim() <= 1]
+    named = list(named_parameters)
     groups = weight_decay_groups([p for _, p in named], weight_decay)
+    # keys are flat positions: the names in the groups' order (frozen parameters left out)
+    name_of = {id(p): n for n, p in named}
+    named = [(name_of[id(p)], p) for g in groups for p in g["params"]]
     dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
     if communicate == "momentum":
         return _momentum_clan(named, groups, lr, compression, ef, warmup_steps, weight_decay,
