@@ -68,7 +68,7 @@ def test_unknown_codec_is_an_error(tmp_path: Path) -> None:
 
 def test_uncompressed_steps_option() -> None:
     from gradpress.train.config import DEFAULT_UNCOMPRESSED_STEPS, TrainConfig
-    from gradpress.train.session import resolve_hparams
+    from gradpress.train.hparams import resolve_hparams
 
     cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="clan")
     hp = resolve_hparams(cfg, _Defaults(), 200)
@@ -85,7 +85,7 @@ def test_uncompressed_steps_option() -> None:
 
 def test_betas_option() -> None:
     from gradpress.train.config import TrainConfig
-    from gradpress.train.session import resolve_hparams
+    from gradpress.train.hparams import resolve_hparams
 
     cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="onebit-lans")
     assert resolve_hparams(cfg, _Defaults(), 200)["betas"] == (0.9, 0.999)

@@ -23,8 +23,9 @@ import torch
 
 from gradpress.train import TrainConfig
 from gradpress.train.cli import add_train_arguments, prepare_out_dir, run_train
+from gradpress.train.hparams import lr_factor
 from gradpress.train.report import format_run, plot_runs, read_metrics, run_report
-from gradpress.train.session import codec_ratios, lr_factor
+from gradpress.train.session import codec_ratios
 from test_launch import _marked
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

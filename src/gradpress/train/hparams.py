@@ -1,0 +1,51 @@
+"""Effective hyperparameters and the learning-rate schedule of a ``gradpress train`` run."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .config import DEFAULT_UNCOMPRESSED_STEPS, NO_UNCOMPRESSED_STEPS, TrainConfig
+
+__all__ = ["resolve_hparams", "lr_factor"]
+
+
+def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | None
+                    ) -> dict[str, Any]:
+    """The effective hyperparameters: ``cfg``'s, else the task's defaults (script mode: fixed
+    fallbacks; ``lr`` is required there)."""
+    family = {"onebit-adam": "adam", "onebit-lans": "lans", "sgd-ef": "sgd"}.get(
+        cfg.optimizer, cfg.optimizer)
+    if cfg.lr is None and defaults is None:
+        raise ValueError("TrainConfig.lr is required without a bundled task (give --lr)")
+    hp = {
+        "lr": cfg.lr if cfg.lr is not None else defaults.lr_for(family),
+        "weight_decay": _first(cfg.weight_decay, getattr(defaults, "weight_decay", None), 0.0),
+        "warmup_steps": _first(cfg.warmup_steps, getattr(defaults, "warmup_steps", None), 0),
+        "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None), 0.9),
+        "schedule": cfg.schedule, "total_steps": total_steps,
+    }
+    if cfg.optimizer not in NO_UNCOMPRESSED_STEPS:
+        hp["uncompressed_steps"] = _first(cfg.uncompressed_steps,
+                                          DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
+    if cfg.optimizer != "sgd-ef":
+        hp["betas"] = (_first(cfg.beta1, 0.9), _first(cfg.beta2, 0.999))
+    if cfg.optimizer in ("onebit-adam", "onebit-lans"):
+        hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
+    elif cfg.optimizer in ("clan", "lans"):
+        hp["freeze_step"] = cfg.freeze_step
+    return hp
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def lr_factor(step: int, warmup: int, total: int | None, schedule: str) -> float:
+    """Multiplier of the peak lr for 0-based ``step``: linear warm-up, then the schedule."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total is None or schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
