@@ -176,7 +176,7 @@ class _Distributed:
         if self._gp_steps < self._gp_warmup and not exact:  # warm-up: separate dense keys
             self._gp_handles[p] = api.push_pull_async(
                 grad, self._gp_names[p] + "@dense", average=True, compression="none",
-                out=_in_place(grad))
+                ef="none", out=_in_place(grad))
             return
         self._gp_handles[p] = api.push_pull_async(
             grad, self._gp_names[p], average=True, compression=self._gp_spec,
@@ -204,7 +204,7 @@ class _Distributed:
         self._gp_skipped = False
         if self._gp_nan == "skip":  # step 3
             flag = torch.tensor([1.0 if self._gp_nonfinite else 0.0])
-            total = api.push_pull(flag, _FLAG_NAME, average=False, compression="none")
+            total = api.push_pull(flag, _FLAG_NAME, average=False, compression="none", ef="none")
             self._gp_nonfinite = False
             if float(total[0]) > 0:
                 self._gp_skipped = True

@@ -130,6 +130,7 @@ class Session:
         self.setup_s = 0.0
         self._last_eval: dict[str, Any] | None = None
         self._lr = float(self.hparams["lr"])
+        self._lr_step: int | None = None  # the step whose lr the optimizer holds
         frac = cfg.stop_on_divergence
         self.guard = DivergenceGuard(frac) if frac is not None and self.rank == 0 else None
 
@@ -204,6 +205,7 @@ class Session:
             self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
         for g in opt.param_groups:
             g["peak_lr"] = g["lr"]
+        self.set_lr(opt)  # the first step's lr, before its backward pass
         return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
 
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
@@ -263,22 +265,33 @@ class Session:
                                "workers": self.size, "setup_s": self.setup_s})
 
     def set_lr(self, opt: torch.optim.Optimizer) -> float:
-        """Apply the schedule for the next step; returns the lr of the first group."""
+        """Apply the schedule for step ``self.steps``; returns the lr of the first group."""
         hp = self.hparams
         f = lr_factor(self.steps, hp["warmup_steps"], self.total_steps, hp["schedule"])
         for g in opt.param_groups:
             g["lr"] = g.setdefault("peak_lr", g["lr"]) * f
+        self._lr_step = self.steps
         return opt.param_groups[0]["lr"]
 
     def step(self, opt: torch.optim.Optimizer) -> float:
-        """Schedule, ``synchronize`` (stage ``sync``), optimizer step (stage ``update``)."""
+        """``synchronize`` (stage ``sync``), optimizer step (stage ``update``), then the next
+        step's lr; returns this step's lr.
+
+        A step's lr is in the optimizer before its backward pass (set when the previous step
+        ends, or by :meth:`optimizer` for the first): gradients are pushed from backward hooks,
+        and corrected error feedback scales by the lr they carry. An optimizer the session did
+        not build gets its first lr here.
+        """
         self.start(warmup=False)
-        lr = self._lr = self.set_lr(opt)  # before the step: corrected EF pushes this step's lr
+        if self._lr_step != self.steps:
+            self.set_lr(opt)
+        lr = self._lr = opt.param_groups[0]["lr"]  # 1-bit momenta pushed in the update carry it
         with self.stage("sync"):
             opt.synchronize()  # type: ignore[attr-defined]
         with self.stage("update"), opt.skip_synchronize():  # type: ignore[attr-defined]
             opt.step()
         self.steps += 1
+        self.set_lr(opt)
         return lr
 
     # -- metrics --------------------------------------------------------------------------------
@@ -370,5 +383,5 @@ class Session:
         slots = torch.zeros(self.size, 3)
         slots[self.rank] = torch.stack([flat.sum(), flat.abs().sum(), (flat * flat).sum()])
         every = gp.push_pull(slots, name=f"{self.cfg.name}.replica-check", average=False,
-                             compression="none")
+                             compression="none", ef="none")
         return bool((every == every[0]).all())

@@ -1,0 +1,79 @@
+"""The training session in a real 2-worker run: what its schedule hands to the communication."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# 1-bit LANS with corrected error feedback: the session pushes each step's momentum with the lr
+# that corrected error feedback scales by. The script records, per step, the lr ``s.step``
+# applied and the lr(s) every push of that step carried (gp.push_pull_async wrapped, called
+# through).
+SCRIPT = textwrap.dedent('''
+    import inspect, json, sys
+    import torch
+    import gradpress as gp
+    import gradpress.api
+    from gradpress.train import Session
+
+    gp.init()
+    s = Session.from_env()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    opt = s.optimizer(model)
+    pushed = []
+    real = gp.push_pull_async
+
+    def recording(*args, **kw):
+        pushed.append(inspect.signature(real).bind(*args, **kw).arguments.get("lr"))
+        return real(*args, **kw)
+
+    gp.push_pull_async = gp.api.push_pull_async = recording  # the session's, the wrapper's
+    steps = []
+    s.start()
+    for step in range(s.cfg.steps):
+        pushed.clear()  # gradients are pushed from backward hooks, momenta in s.step
+        opt.zero_grad()
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + gp.rank()))
+        loss = torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+        loss.backward()
+        lr = s.step(opt)
+        steps.append({"applied": lr, "pushed": sorted(set(pushed), key=str)})
+        s.log_step(loss.item())
+    s.finish(model)
+    if gp.rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(steps, f)
+    gp.shutdown()
+''')
+
+
+@pytest.mark.parametrize("args, first", [
+    # 1-bit LANS communicates its momentum from step freeze_step on
+    (["--optimizer", "onebit-lans", "--freeze-step", "3"], 3),
+    # LANS behind DistributedOptimizer: 2 uncompressed steps on the '@dense' keys, then gradients
+    (["--optimizer", "lans", "--uncompressed-steps", "2"], 2),
+], ids=["momentum", "gradient"])
+def test_corrected_error_feedback_gets_the_lr_of_the_step_it_pushes(
+        tmp_path: Path, args: list[str], first: int) -> None:
+    script, out, rec = tmp_path / "lr.py", tmp_path / "run", tmp_path / "steps.json"
+    script.write_text(SCRIPT)
+    # the lr rises every step of a 12-step warm-up: a push with last step's lr cannot pass; the
+    # session's own exact pushes (warm-up keys, replica check) must not need an lr
+    p = subprocess.run([sys.executable, "-m", "gradpress.train.cli", "train", "--lr", "0.01",
+                        *args, "--compression", "onebit", "--ef", "corrected",
+                        "--warmup-steps", "12", "--steps", "10", "--min-compress-bytes", "1024",
+                        "--no-progress", "--out", str(out), "--", sys.executable, str(script),
+                        str(rec)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    steps = json.loads(rec.read_text())
+    assert [round(st["applied"] / 0.01 * 12) for st in steps] == list(range(1, 11))
+    for st in steps:  # every push carries this step's lr, or none (exact '@dense' keys)
+        assert set(st["pushed"]) <= {st["applied"], None}, steps
+    assert all(st["pushed"] == [st["applied"]] for st in steps[first:]), steps  # compressed
+    assert json.loads((out / "report.json").read_text())["status"] == "completed"
