@@ -14,7 +14,7 @@ bytes that crossed the wire (per-step deltas of ``gp.stats()``). A user script s
         opt.zero_grad()
         with s.stage("compute"):
             loss = loss_fn(model(x), y); loss.backward()
-        s.step(opt)                         # lr schedule, synchronize, optimizer step
+        s.step(opt)                         # synchronize, optimizer step, next lr
         s.log_step(loss.item())
     s.log_eval({"accuracy": acc}, primary="accuracy")
     s.finish(model)
