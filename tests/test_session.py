@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-# 1-bit LANS with corrected error feedback: the session pushes each step's momentum with the lr
-# that corrected error feedback scales by. The script records, per step, the lr ``s.step``
-# applied and the lr(s) every push of that step carried (gp.push_pull_async wrapped, called
-# through).
+# With corrected error feedback every push carries the lr the residual is rescaled by: 1-bit
+# LANS pushes its momentum in s.step, DistributedOptimizer pushes gradients from backward hooks.
+# The script records, per step, the lr ``s.step`` applied and the lr(s) every push of that step
+# carried (push_pull_async wrapped, called through).
 SCRIPT = textwrap.dedent('''
     import inspect, json, sys
     import torch
