@@ -29,11 +29,11 @@ setting                                              800 steps     1600 steps   
 defaults, every matrix compressed (2.11, 2.12)       +5.49 ± 2.70  +2.90 ± 4.31  +0.38 ± 2.21
 ``uncompressed_params=["pos.weight"]``, 20% dense    +1.30 ± 0.84  +0.78 ± 1.37  +5.14 ± 0.87
 ``uncompressed_params=["pos.weight"]``, 160 dense    +1.30 ± 0.84  -2.13 ± 0.85  +0.75 ± 1.88
-the same with ``weight_decay=0.01`` (2.14)           +1.25 ± 0.75  -2.26 ± 0.80  +1.90 (2 s.)
+the same with ``weight_decay=0.01`` (2.14)           +1.25 ± 0.75  -2.26 ± 0.80  -0.97 ± 4.97
 ===================================================  ============  ============  ============
 
 (All rows but the last ran with weight decay 0, against LANS with 0; the last with 0.01, this
-function's default, against LANS with 0.01; "2 s.": seeds 0 and 1 only.)
+function's default, against LANS with 0.01.)
 
 ``"momentum"`` against ``"gradient"`` (section 2.6: 100 dense steps, plain error feedback, and
 for the momentum the frozen second moment and blend of that time), at 200 / 400 / 800 steps:
