@@ -280,7 +280,8 @@ class Session:
         A step's lr is in the optimizer before its backward pass (set when the previous step
         ends, or by :meth:`optimizer` for the first): gradients are pushed from backward hooks,
         and corrected error feedback scales by the lr they carry. An optimizer the session did
-        not build gets its first lr here.
+        not build gets its first lr here, after the first backward pass; call :meth:`set_lr`
+        once before the loop to have it there too.
         """
         self.start(warmup=False)
         if self._lr_step != self.steps:
