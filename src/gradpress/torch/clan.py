@@ -48,8 +48,8 @@ number of steps that ends before the model starts to use its context, not a frac
 Past 3200 steps it needs weight decay: a 6400-step run of it (seed 1) without decay diverged
 from step ~1950, where the longer schedule keeps the lr near its peak, while uncompressed LANS
 did not; with ``weight_decay=0.01`` (the default here) the same run ended 0.84% ahead of LANS
-with the same decay, but seed 0 ended 8.40% behind (inside 3% to step 2912, then its gap grew
-as the lr fell): the gap is not shown to stay flat past 3200 steps.
+with the same decay, but seeds 0 and 2 ended 8.40% and 3.13% behind (seed 0 was inside 3% to
+step 2912, then its gap grew as the lr fell): the gap is not shown to stay flat past 3200 steps.
 Top-k 0.1% does not keep up past 800 steps either way (seed 1 at 1600 steps: momentum +54-60%;
 gradient +79.9%, never leaving the early plateau): in 1280 compressed steps an element is
 delivered about once. Prefer one-bit for transformers.
