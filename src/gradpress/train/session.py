@@ -130,7 +130,6 @@ class Session:
         self.setup_s = 0.0
         self._last_eval: dict[str, Any] | None = None
         self._lr = float(self.hparams["lr"])
-        self._lr_step: int | None = None  # the step whose lr the optimizer holds
         frac = cfg.stop_on_divergence
         self.guard = DivergenceGuard(frac) if frac is not None and self.rank == 0 else None
 
@@ -203,9 +202,7 @@ class Session:
             names = {p: n for n, p in self._named}
             flat = [p for g in opt.param_groups for p in g["params"]]
             self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
-        for g in opt.param_groups:
-            g["peak_lr"] = g["lr"]
-        self.set_lr(opt)  # the first step's lr, before its backward pass
+        self.set_lr(opt)  # records each group's peak lr; the first step's lr, before backward
         return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
 
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
@@ -270,7 +267,6 @@ class Session:
         f = lr_factor(self.steps, hp["warmup_steps"], self.total_steps, hp["schedule"])
         for g in opt.param_groups:
             g["lr"] = g.setdefault("peak_lr", g["lr"]) * f
-        self._lr_step = self.steps
         return opt.param_groups[0]["lr"]
 
     def step(self, opt: torch.optim.Optimizer) -> float:
@@ -284,7 +280,7 @@ class Session:
         once before the loop to have it there too.
         """
         self.start(warmup=False)
-        if self._lr_step != self.steps:
+        if any("peak_lr" not in g for g in opt.param_groups):  # not scheduled by the session yet
             self.set_lr(opt)
         lr = self._lr = opt.param_groups[0]["lr"]  # 1-bit momenta pushed in the update carry it
         with self.stage("sync"):
