@@ -89,6 +89,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "pos-lv-decay08-noblend-srv1-freeze160-wd001": {"args": {**_SRV1, "ef-decay": 0.8,
                                                              "freeze-step": 160,
                                                              "weight-decay": 0.01}},
+    "pos-lv-decay08anneal-noblend-srv1-freeze160-wd001": {
+        "args": {**_SRV1, "ef-decay": 0.8, "ef-anneal": True, "freeze-step": 160,
+                 "weight-decay": 0.01}},
     "wd001": {"args": {"weight-decay": 0.01}},
     "pos-lv-decay-chunk16k": {"args": _POS_LV_DECAY,
                               "env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},

@@ -82,7 +82,8 @@ WORKER = textwrap.dedent('''
     EFS = {"vanilla": "vanilla", "ef21": "ef21", "corrected": "corrected",
            "vanilla:decay=0.9": "vanilla_decay", "vanilla:decay=0.9,server_decay=1": "srv1",
            "vanilla:decay=0.9,server_decay=0.9": "srv09",
-           "vanilla:decay=0.8,server_decay=1": "srv1_d08"}
+           "vanilla:decay=0.8,server_decay=1": "srv1_d08",
+           "vanilla:decay=0.8,server_decay=1,anneal=1": "srv1_d08_anneal"}
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
                              ("onebit", "ef21", ()), ("onebit", "corrected", ()),
                              ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
@@ -91,6 +92,7 @@ WORKER = textwrap.dedent('''
                              ("onebit", "vanilla:decay=0.9,server_decay=1", ()),
                              ("onebit", "vanilla:decay=0.9,server_decay=0.9", ()),
                              ("onebit", "vanilla:decay=0.8,server_decay=1", ()),
+                             ("onebit", "vanilla:decay=0.8,server_decay=1,anneal=1", ()),
                              ("onebit", "default", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{EFS.get(ef, ef)}"
@@ -231,6 +233,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     # gp.CLAN's default ef: the workers' residuals decay by 0.8, the servers' do not
     assert not torch.equal(w0["clanm_onebit_srv1_d08"], w0["clanm_onebit_srv1"])
     assert torch.equal(w0["clanm_onebit_default"], w0["clanm_onebit_srv1_d08"])
+    # anneal=1: the pushes carry the lr (else push_pull raises); at a constant lr, B_t = B
+    assert torch.equal(w0["clanm_onebit_srv1_d08_anneal"], w0["clanm_onebit_srv1_d08"])
     assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
     assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
     # the default: each worker's own v from its own gradient; the replicas stay identical

@@ -139,6 +139,55 @@ def test_decayed_ef_identity(spec, backend):
         e_prev = f64(ef.residual)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_annealed_ef_identity(spec, backend):
+    kind = "vanilla:decay=0.5,server_decay=1,anneal=1"
+    ef, plain = make(spec, ef=kind, backend=backend), make(spec, backend=backend)
+    # B_t = 1 - 0.5 * lr / lr_max: 0.5, 0.75, 0.875, then a new peak 2.0 -> 0.5, 0.75
+    lrs, ratios = [1.0, 0.5, 0.25, 2.0, 1.0], [0.5, 0.75, 0.875, 0.5, 0.75]
+    e_prev = np.zeros(N)
+    for step, (x, lr, ratio) in enumerate(zip(grads(5), lrs, ratios)):
+        payload = ef.compress(x, key=KEY, step=step, lr=lr)
+        # p = x + float32(B_t * e): B_t and e have few bits, so B_t * e is exact in float64
+        scaled = (ratio * e_prev).astype(np.float32).astype(np.float64)
+        p32 = (f64(x) + scaled).astype(np.float32).astype(np.float64)
+        assert_ef_identity(ef.residual, p32, f64(plain.decompress(payload, key=KEY, step=step)))
+        e_prev = f64(ef.residual)
+    assert ef.state_dict()["lr_max"] == 2.0
+    with pytest.raises(ValueError, match="anneal=1 error feedback .* needs the current"):
+        ef.compress(grads(1)[0], key=KEY, step=5)
+
+
+def test_anneal_kinds_and_state():
+    from gradpress.compress.registry import check_ef, ef_needs_lr, server_ef
+
+    kind = check_ef(" Vanilla : decay = 0.8 , server_decay = 1, anneal = 1 ")
+    assert kind == "vanilla:decay=0.8,server_decay=1.0,anneal=1"
+    assert check_ef("vanilla:decay=0.8,anneal=0") == "vanilla:decay=0.8"
+    assert server_ef(kind) == "vanilla:decay=1.0"  # a server's replies carry no lr
+    assert server_ef("vanilla:decay=0.8,anneal=1") == "vanilla:decay=0.8"
+    assert [ef_needs_lr(k) for k in (kind, "corrected", "vanilla:decay=0.8", "vanilla", "none",
+                                     None)] == [True, True, False, False, False, False]
+    with pytest.raises(ValueError, match="B = 1 has nothing to anneal"):
+        check_ef("vanilla:anneal=1")
+    for bad in ("vanilla:decay=0.8,anneal=2", "vanilla:decay=0.8,anneal=1,anneal=1",
+                "corrected:anneal=1"):
+        with pytest.raises(ValueError, match="and ',anneal=1'"):
+            check_ef(bad)
+    ef = make("trunc16", ef=kind)
+    ef.compress(grads(1)[0], lr=0.5)
+    state = ef.state_dict()
+    assert state["lr_max"] == 0.5 and state["lr_prev"] == 0.5
+    with pytest.raises(ValueError, match="missing \\['lr_max'\\]"):
+        make("trunc16", ef=kind).load_state_dict({k: v for k, v in state.items()
+                                                  if k != "lr_max"})
+    with pytest.raises(ValueError, match="lr_max must be None or > 0"):
+        make("trunc16", ef=kind).load_state_dict({**state, "lr_max": 0.0})
+    with pytest.raises(ValueError, match="state is for kind 'vanilla:decay=0.8,server_decay"):
+        make("trunc16", ef="vanilla:decay=0.8").load_state_dict(state)
+
+
 def test_decay_one_is_vanilla_and_kinds_are_checked():
     from gradpress.compress import check_ef
 
@@ -280,6 +329,7 @@ def test_momentum_rejects_bad_mu(mu):
 def _state_cases() -> list[tuple[str, dict]]:
     cases = [(s, {"ef": "vanilla"}) for s in SPECS]
     cases += [(s, {"ef": "corrected", "momentum": "nesterov"}) for s in ("none", "trunc16")]
+    cases += [(s, {"ef": "vanilla:decay=0.5,anneal=1"}) for s in ("onebit", "trunc16")]
     if "randomk" in codec_names():
         cases.append(("randomk:k=0.05", {"ef": "sparse"}))
     return cases

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gradpress.train import TrainConfig
-from gradpress.train.cli import add_train_arguments, prepare_out_dir, run_train
+from gradpress.train.cli import _train_config, add_train_arguments, prepare_out_dir, run_train
 from gradpress.train.hparams import lr_factor
 from gradpress.train.report import format_run, plot_runs, read_metrics, run_report
 from gradpress.train.session import codec_ratios
@@ -72,6 +72,9 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
     ({"server_ef_decay": 1.2}, ["TrainConfig.server_ef_decay", ">= 0.0 and <= 1.0"]),
     ({"server_ef_decay": 1.0, "ef": "none"}, ["TrainConfig.server_ef_decay", "ef='vanilla'"]),
     ({"uncompressed_params": ("pos.weight", "")}, ["TrainConfig.uncompressed_params", "''"]),
+    ({"ef_anneal": True}, ["TrainConfig.ef_anneal", "ef_decay < 1", "None"]),
+    ({"ef_anneal": True, "ef_decay": 1.0}, ["TrainConfig.ef_anneal", "got 1.0"]),
+    ({"ef_anneal": 1, "ef_decay": 0.8}, ["TrainConfig.ef_anneal", "bool"]),
     ({"optimizer": "onebit-lans", "variance": "live"}, ["TrainConfig.variance", "frozen or local",
                                                         "'live'"]),
     ({"variance": "local"}, ["TrainConfig.variance='local'", "onebit-lans", "'clan'"]),
@@ -98,6 +101,9 @@ def test_config_round_trip_and_defaults() -> None:
                        server_ef_decay=1.0).effective_ef == "vanilla:decay=0.9,server_decay=1.0"
     assert TrainConfig(task="digits-cnn", compression="onebit",
                        server_ef_decay=0.5).effective_ef == "vanilla:decay=1.0,server_decay=0.5"
+    assert TrainConfig(task="digits-cnn", compression="onebit", ef_decay=0.8, server_ef_decay=1.0,
+                       ef_anneal=True).effective_ef == (
+                           "vanilla:decay=0.8,server_decay=1.0,anneal=1")
     assert TrainConfig(task="digits-cnn", compression="onebit", optimizer="onebit-lans",
                        ef="ef21").effective_ef is None  # the optimizer's estimate is the feedback
     with pytest.raises(ValueError, match="unknown field"):
@@ -106,6 +112,14 @@ def test_config_round_trip_and_defaults() -> None:
 
 def _train_args(argv: list[str]) -> argparse.Namespace:
     return add_train_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_ef_flags_make_the_kind() -> None:
+    cfg = _train_config(_train_args(["--task", "stdlib-mlm", "--compression", "onebit",
+                                     "--optimizer", "onebit-lans", "--ef-decay", "0.8",
+                                     "--server-ef-decay", "1", "--ef-anneal"]))
+    assert cfg.ef_anneal and cfg.effective_ef == "vanilla:decay=0.8,server_decay=1.0,anneal=1"
+    assert not _train_config(_train_args(["--task", "stdlib-mlm"])).ef_anneal
 
 
 def test_bad_input_fails_before_any_process_starts(tmp_path: Path,

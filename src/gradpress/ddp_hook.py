@@ -64,8 +64,9 @@ class TwoWayCompressionState:
        every rank.
     6. ``overlap`` (default True): finish each bucket while the next one is being produced (see
        :func:`two_way_compression_hook`); False finishes every bucket inside its own hook call.
-    7. ``lr``: the current learning rate, only for ``ef="corrected"``; set ``state.lr`` before
-       each backward pass when the learning rate changes.
+    7. ``lr``: the current learning rate, only for ``ef="corrected"`` and
+       ``"vanilla:decay=B,anneal=1"``; set ``state.lr`` before each backward pass when the
+       learning rate changes.
 
     Picklable: the process group is dropped (None means the default group, resolved at the next
     hook call; set ``state.process_group`` after unpickling to use another). Residuals and step
@@ -114,7 +115,7 @@ class TwoWayCompressionState:
 
     @property
     def lr(self) -> float | None:
-        """Learning rate carried to the codecs (needed by ``ef="corrected"``)."""
+        """Learning rate carried to the codecs (needed by ``ef="corrected"`` and ``anneal=1``)."""
         return self._lr
 
     @lr.setter

@@ -15,6 +15,10 @@ Kinds (design brief §3):
   ``vanilla:decay=B,server_decay=S``: workers use ``B``, the servers' codecs ``S``
   (:func:`.registry.server_ef`); with 1-bit LANS, ``B = 0.9`` and ``S = 1`` did better than
   0.9 on both sides (``docs/convergence.md``, section 2.10).
+  ``vanilla:decay=B,anneal=1`` (workers only; ``lr`` required): the part lost per step shrinks
+  with the learning rate, ``p = x + B_t * e`` with ``B_t = 1 - (1 - B) * lr / lr_max`` and
+  ``lr_max`` the highest lr this residual's pushes have carried: ``B`` at the peak of a
+  schedule, 1 (vanilla) as the lr reaches 0 (``docs/convergence.md``, section 2.15).
 * ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
   draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
 
@@ -42,7 +46,7 @@ import torch
 from .base import Codec
 from .header import HEADER_BYTES, Header, pack_header
 from .kernels.common import ef_args, fill_p
-from .registry import check_ef, split_ef
+from .registry import check_ef, ef_needs_lr, split_ef
 
 __all__ = ["CodecWrapper", "ErrorFeedback"]
 
@@ -125,15 +129,23 @@ def _check_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> Non
                          f"unexpected {extra}, expected {sorted(expected)}")
 
 
+def _positive_or_none(state: Mapping[str, Any], key: str) -> float | None:
+    """``state[key]`` as a float if it is a number > 0, None if None; else ValueError."""
+    v = state[key]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+        raise ValueError(f"ErrorFeedback.load_state_dict: {key} must be None or > 0, got {v!r}")
+    return None if v is None else float(v)
+
+
 class ErrorFeedback(CodecWrapper):
     """Error feedback around ``codec`` (see the module docstring for the kinds).
 
     Args:
         codec: the codec whose compression error is fed back.
         kind: ``"vanilla"``, ``"vanilla:decay=B"`` (with ``",server_decay=S"``: ``B``
-            here, on a worker), ``"corrected"`` (``compress`` needs
-            ``lr``) or ``"sparse"`` (only for codecs that draw their indices from
-            (seed, key, step), i.e. ``randomk``).
+            here, on a worker; with ``",anneal=1"`` ``compress`` needs ``lr``),
+            ``"corrected"`` (``compress`` needs ``lr``) or ``"sparse"`` (only for codecs that
+            draw their indices from (seed, key, step), i.e. ``randomk``).
     """
 
     def __init__(self, codec: Codec, *, kind: str = "vanilla") -> None:
@@ -147,7 +159,9 @@ class ErrorFeedback(CodecWrapper):
             raise ValueError(f"ef='sparse' needs a codec that draws its indices from (seed, key, "
                              f"step) (randomk); codec {codec.name!r} does not")
         self.kind = kind
+        self.anneal = kind == "vanilla" and ef_needs_lr(self.kind_text)
         self.lr_prev: float | None = None
+        self.lr_max: float | None = None  # anneal: the highest lr seen
         self._e: torch.Tensor | None = None       # the residual
         self._spare: torch.Tensor | None = None   # scratch for p and p - D(c)
         self._loaded: torch.Tensor | None = None  # residual restored before the first compress
@@ -185,11 +199,14 @@ class ErrorFeedback(CodecWrapper):
                                or not math.isfinite(lr) or lr <= 0):
             raise ValueError(f"{self.name} error feedback: lr must be a finite number > 0, "
                              f"got lr={lr!r}")
-        if self.kind != "corrected":
+        if self.kind != "corrected" and not self.anneal:
             return self.decay
         if lr is None:
-            raise ValueError(f"corrected error feedback ({self.spec_text}) needs the current "
-                             f"learning rate: pass lr > 0 to compress(), got lr=None")
+            raise ValueError(f"{self.kind_text} error feedback ({self.spec_text}) needs the "
+                             f"current learning rate: pass lr > 0 to compress(), got lr=None")
+        if self.anneal:  # B_t = 1 - (1 - B) * lr / lr_max
+            self.lr_max = max(self.lr_max or 0.0, float(lr))
+            return 1.0 - (1.0 - self.decay) * float(lr) / self.lr_max
         return 1.0 if self.lr_prev is None else self.lr_prev / float(lr)
 
     def _compress_dense(self, flat: torch.Tensor, body: torch.Tensor, h: Header,
@@ -264,24 +281,27 @@ class ErrorFeedback(CodecWrapper):
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Residual (a CPU clone, or None before the first compress), lr_prev and inner state."""
+        """Residual (a CPU clone, or None before the first compress), lr_prev, lr_max (only
+        with ``anneal=1``) and inner state."""
         r = self.residual
-        return {"kind": self.kind_text, "residual": None if r is None else r.detach().cpu().clone(),
-                "lr_prev": self.lr_prev, "inner": self.inner.state_dict()}
+        out = {"kind": self.kind_text, "residual": None if r is None else r.detach().cpu().clone(),
+               "lr_prev": self.lr_prev, "inner": self.inner.state_dict()}
+        if self.anneal:
+            out["lr_max"] = self.lr_max
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ValueError naming any mismatching key or shape."""
-        _check_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"})
-        if state["kind"] != self.kind_text:
+        if isinstance(state, Mapping) and state.get("kind") != self.kind_text:
             raise ValueError(f"ErrorFeedback.load_state_dict: state is for kind "
-                             f"{state['kind']!r}, this codec has kind {self.kind_text!r}")
-        lr_prev = state["lr_prev"]
-        if lr_prev is not None and (not isinstance(lr_prev, (int, float)) or not lr_prev > 0):
-            raise ValueError(f"ErrorFeedback.load_state_dict: lr_prev must be None or > 0, "
-                             f"got {lr_prev!r}")
+                             f"{state.get('kind')!r}, this codec has kind {self.kind_text!r}")
+        _check_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"}
+                    | ({"lr_max"} if self.anneal else set()))
+        lrs = {k: _positive_or_none(state, k) for k in ("lr_prev", "lr_max") if k in state}
         r = self._state_tensor(state, "residual")
         self.inner.load_state_dict(state["inner"])
-        self.lr_prev = None if lr_prev is None else float(lr_prev)
+        self.lr_prev = lrs["lr_prev"]
+        self.lr_max = lrs.get("lr_max")
         self._loaded = None
         if r is None:
             if self._e is not None:

@@ -11,7 +11,7 @@ from .base import Codec
 from .spec import CodecSpec, parse_spec
 
 __all__ = ["register", "build", "codec_names", "codec_class", "EF_KINDS", "MOMENTUM_KINDS",
-           "check_ef", "split_ef", "server_ef"]
+           "check_ef", "split_ef", "server_ef", "ef_needs_lr"]
 
 _REGISTRY: dict[str, type[Codec]] = {}
 _FAMILY_MODULES = ("cast", "onebit", "sparse", "dithering")
@@ -119,9 +119,9 @@ def build(spec: str | Mapping[str, Any] | CodecSpec | None, numel: int, *, ef: s
 
 def check_ef(value: Any) -> str:
     """The canonical error-feedback kind of ``value``: one of :data:`EF_KINDS`,
-    ``"vanilla:decay=B"`` (residuals that decay by ``B`` in [0, 1] each step, see :mod:`.ef`)
-    or ``"vanilla:decay=B,server_decay=S"`` (``S`` on the servers instead); ValueError naming
-    the value otherwise."""
+    ``"vanilla:decay=B"`` (residuals that decay by ``B`` in [0, 1] each step, see :mod:`.ef`),
+    optionally with ``",server_decay=S"`` (``S`` on the servers instead) and ``",anneal=1"``
+    (the workers' loss ``1-B`` shrinks with the lr); ValueError naming the value otherwise."""
     return _ef_text(*_ef_parts(value))
 
 
@@ -132,21 +132,36 @@ def split_ef(kind: str) -> tuple[str, float]:
     return base, opts.get("decay", 1.0)
 
 
+def ef_needs_lr(kind: str | None) -> bool:
+    """Whether pushes with error-feedback ``kind`` must carry the step's learning rate:
+    ``corrected`` (residuals rescaled by its change) and ``anneal=1`` (decay follows it)."""
+    if kind is None or str(kind).strip().lower() in ("none", ""):
+        return False
+    base, opts = _ef_parts(kind)
+    return base == "corrected" or bool(opts.get("anneal", 0.0))
+
+
 def server_ef(kind: str | None) -> str | None:
     """The error-feedback kind a server's codec uses for keys pushed with ``kind``: the same,
-    except that ``vanilla:decay=B,server_decay=S`` becomes ``vanilla:decay=S``."""
+    except that ``vanilla:decay=B,server_decay=S`` becomes ``vanilla:decay=S``; ``anneal`` is
+    the workers' only (a server's replies carry no lr), so a server keeps its decay fixed."""
     if kind is None:
         return None
     base, opts = _ef_parts(kind)
     if "server_decay" in opts:
         opts = {"decay": opts["server_decay"]}
+    opts.pop("anneal", None)
     return _ef_text(base, opts)
 
 
+#: Options of ``vanilla:...`` and the values each accepts (:func:`_ef_parts`).
+_EF_OPTIONS = {"decay": "B in [0, 1]", "server_decay": "S in [0, 1]", "anneal": "0 or 1"}
+
+
 def _ef_parts(value: Any) -> tuple[str, dict[str, float]]:
-    """``(base kind, {"decay": B, "server_decay": S} as given)`` of an ef kind; ValueError
-    naming the value unless each option is ``decay`` or ``server_decay`` on ``vanilla``, given
-    once, in [0, 1]."""
+    """``(base kind, {"decay": B, "server_decay": S, "anneal": A} as given)`` of an ef kind;
+    ValueError naming the value unless each option is one of :data:`_EF_OPTIONS` on
+    ``vanilla``, given once, with a value it accepts."""
     v = str(value).strip().lower().replace(" ", "")
     base, sep, opt = v.partition(":")
     if not sep:
@@ -158,22 +173,28 @@ def _ef_parts(value: Any) -> tuple[str, dict[str, float]]:
             b = float(num) if base == "vanilla" and eq and key not in out else math.nan
         except ValueError:
             b = math.nan
-        if key not in ("decay", "server_decay") or not 0.0 <= b <= 1.0:
+        ok = b in (0.0, 1.0) if key == "anneal" else 0.0 <= b <= 1.0
+        if key not in _EF_OPTIONS or not ok:
             raise ValueError(f"unknown ef {value!r}; valid: {', '.join(EF_KINDS)}, "
                              f"'vanilla:decay=B' with B in [0, 1] (optionally "
-                             f"',server_decay=S', S in [0, 1]), or None")
+                             f"',server_decay=S', S in [0, 1], and ',anneal=1'), or None")
         out[key] = b
+    if out.get("anneal") and out.get("decay", 1.0) == 1.0:
+        raise ValueError(f"ef {value!r}: anneal=1 moves a decay B < 1 towards 1 as the lr "
+                         f"falls; give 'decay=B' with B < 1 (B = 1 has nothing to anneal)")
     return "vanilla", out
 
 
 def _ef_text(base: str, opts: dict[str, float]) -> str:
     """The canonical text of :func:`_ef_parts`'s result (``decay`` always written, 1.0 unless
-    given, once an option is)."""
+    given, once an option is; ``anneal`` only when 1)."""
     if not opts:
         return base
     text = f"vanilla:decay={opts.get('decay', 1.0)!r}"
     if "server_decay" in opts:
         text += f",server_decay={opts['server_decay']!r}"
+    if opts.get("anneal"):
+        text += ",anneal=1"
     return text
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from ..compress import build
+from ..compress.registry import ef_needs_lr
 from ..compress.spec import CodecSpec
 from .budget import ByteBudget
 from .buffers import BufferPool
@@ -197,9 +198,9 @@ class WorkerEngine(WorkerStateMixin):
         if not isinstance(name, str) or not name:
             raise ValueError(f"push_pull: name must be a non-empty str, got {name!r}")
         spec, wrappers = resolve_codec(compression, ef, self.cfg)
-        if wrappers["ef"] == "corrected" and lr is None:
-            raise ValueError(f"push_pull({name!r}): ef='corrected' needs the step's learning "
-                             f"rate: pass lr=...")
+        if ef_needs_lr(wrappers["ef"]) and lr is None:
+            raise ValueError(f"push_pull({name!r}): ef={wrappers['ef']!r} needs the step's "
+                             f"learning rate: pass lr=...")
         sig = repr((spec.name, sorted(spec.params.items()), sorted(wrappers.items())))
         if sig not in self._valid_specs:
             build(spec, 0, seed=self.cfg.seed, **wrappers)  # unknown codec or parameter: raise

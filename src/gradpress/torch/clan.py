@@ -117,7 +117,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             1.42% against 0.8's +5.14 ± 0.87% at 3200 steps, the same at 1600, one point
             worse at 800); a lower decay is further behind mid-run and catches up late. With
             ``"gradient"``, ``"vanilla"``. Others: ``"vanilla"`` (no decay),
-            ``"vanilla:decay=B"`` (on both sides), ``"corrected"`` (scales the residual by
+            ``"vanilla:decay=B"`` (on both sides), ``",anneal=1"`` after a decay (the
+            workers' decay rises from ``B`` towards 1 as the lr falls; section 2.15),
+            ``"corrected"`` (scales the residual by
             lr_prev/lr_now, useful with steep lr schedules) and, with
             ``communicate="momentum"``, ``"ef21"``: the workers send differences to a
             shared estimate of the averaged momentum and the codec keeps no residuals
@@ -241,19 +243,22 @@ def _momentum_clan(named: list[tuple[str, torch.nn.Parameter]],
     """``communicate="momentum"``: OneBitLANS whose compression stage push_pulls momenta."""
     from ..api import push_pull_async
     from ..compress import build
+    from ..compress.registry import ef_needs_lr
 
     cs = parse_spec(compression)  # checked now, not when the warm-up ends
     ef21 = ef == "ef21"           # the estimate is the feedback: no residuals in the codec
     spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": None if ef21 else ef})
     build(spec, 4096)
+    needs_lr = not ef21 and ef_needs_lr(ef)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
     groups: list[dict[str, Any]] = []           # the optimizer's, once built
     # keys are positions in the optimizer's flat parameter order (the groups hold named's order)
     exact = {str(i) for i, (n, _) in enumerate(named) if n in dense}
 
     def communicate(key: str, m: torch.Tensor) -> Any:
-        # corrected error feedback rescales the residuals by the change of the current lr
-        step_lr = groups[0]["lr"] if ef == "corrected" else None
+        # corrected error feedback rescales the residuals by the change of the current lr;
+        # anneal=1 moves the workers' decay towards 1 as it falls
+        step_lr = groups[0]["lr"] if needs_lr else None
         limit = ALWAYS_EXACT if key in exact else min_compress_bytes
         return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
                                compression=spec, lr=step_lr, min_compress_bytes=limit)

@@ -80,6 +80,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     a("--server-ef-decay", type=float, metavar="S",
       help="with --ef vanilla: the servers' residuals decay by S instead (1: not at all; "
            "default: as --ef-decay)")
+    a("--ef-anneal", action="store_true",
+      help="with --ef-decay B < 1: the workers' decay rises from B towards 1 as the lr falls "
+           "(vanilla:decay=B,anneal=1)")
     a("--optimizer", default="clan", metavar="NAME",
       help=f"{', '.join(OPTIMIZERS)} (default clan)")
     a("--lr", type=float, help="peak learning rate (default: the task's for the optimizer)")
@@ -140,7 +143,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         name=args.name, task=args.task, script=_script(args), workers=args.workers,
         servers=args.servers, compression=args.compression, ef=args.ef, ef_decay=args.ef_decay,
-        server_ef_decay=args.server_ef_decay,
+        server_ef_decay=args.server_ef_decay, ef_anneal=args.ef_anneal,
         optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, steps=args.steps,
         batch_size=args.batch_size, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,

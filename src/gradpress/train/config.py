@@ -111,6 +111,10 @@ class TrainConfig:
     #: ``ef_decay`` (``vanilla:decay=B,server_decay=S``); None: the same as the workers'.
     #: ``ef_decay=0.9`` with 1.0 here suits ``onebit-lans`` (``docs/convergence.md`` 2.10).
     server_ef_decay: float | None = None
+    #: With ``ef_decay`` < 1: the workers' loss per step, ``1 - ef_decay``, shrinks with the
+    #: lr, ``B_t = 1 - (1 - ef_decay) * lr / lr_max`` (``vanilla:decay=B,anneal=1``; pushes
+    #: carry the lr; the servers' decay stays fixed). ``docs/convergence.md`` 2.15.
+    ef_anneal: bool = False
     #: Optimizer (see :data:`OPTIMIZERS`).
     optimizer: str = "clan"
     #: Peak learning rate; None: the task's default for the optimizer family.
@@ -234,6 +238,11 @@ class TrainConfig:
             if getattr(self, name) is not None and self.ef != "vanilla":
                 raise ValueError(f"TrainConfig.{name} is for ef='vanilla', got "
                                  f"{getattr(self, name)} with ef={self.ef!r}")
+        if not isinstance(self.ef_anneal, bool):
+            raise ValueError(f"TrainConfig.ef_anneal must be a bool, got {self.ef_anneal!r}")
+        if self.ef_anneal and (self.ef_decay is None or self.ef_decay == 1.0):
+            raise ValueError(f"TrainConfig.ef_anneal moves the workers' ef_decay B < 1 towards "
+                             f"1 as the lr falls; give ef_decay < 1, got {self.ef_decay!r}")
         if self.ef == "ef21" and self.optimizer != "onebit-lans":
             raise ValueError(f"TrainConfig.ef='ef21' is for onebit-lans (it needs an optimizer "
                              f"that keeps the shared estimate), got optimizer "
@@ -299,9 +308,9 @@ class TrainConfig:
         if self.ef_decay is None and self.server_ef_decay is None:
             return self.ef
         kind = f"vanilla:decay={1.0 if self.ef_decay is None else self.ef_decay!r}"
-        if self.server_ef_decay is None:
-            return kind
-        return f"{kind},server_decay={self.server_ef_decay!r}"
+        if self.server_ef_decay is not None:
+            kind += f",server_decay={self.server_ef_decay!r}"
+        return kind + (",anneal=1" if self.ef_anneal else "")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``script`` as a list)."""

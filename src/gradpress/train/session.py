@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compress.registry import ef_needs_lr
 from .config import TrainConfig
 from .guard import DivergenceGuard, TrainingDiverged
 from .hparams import lr_factor, resolve_hparams
@@ -214,7 +215,7 @@ class Session:
         exact = key in self._exact_keys  # named tensors travel as small tensors do
         return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
                                   compression=self.cfg.compression, ef=ef,
-                                  lr=self._lr if ef == "corrected" else None,
+                                  lr=self._lr if ef_needs_lr(ef) else None,
                                   min_compress_bytes=ALWAYS_EXACT if exact
                                   else self.cfg.min_compress_bytes)
 
@@ -248,7 +249,7 @@ class Session:
             x = torch.linspace(-1.0, 1.0, n)
             ef = self.cfg.effective_ef
             gp.push_pull(x, name=f"{self.cfg.name}.warmup", compression=self.cfg.compression,
-                         ef=ef, lr=self.hparams["lr"] if ef == "corrected" else None,
+                         ef=ef, lr=self.hparams["lr"] if ef_needs_lr(ef) else None,
                          min_compress_bytes=self.cfg.min_compress_bytes)
         self._started = True
         self._t0 = self._last_t = time.perf_counter()
