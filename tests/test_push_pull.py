@@ -30,6 +30,7 @@ WORKER = textwrap.dedent('''
     import torch
     import gradpress as gp
     from gradpress.compress import build
+    from gradpress.compress.registry import server_ef
     from gradpress.ps.partition import chunk_key, chunk_layout
 
     out_dir, modes = sys.argv[1], sys.argv[2].split(",")
@@ -74,7 +75,8 @@ WORKER = textwrap.dedent('''
             assert torch.equal(bits(buf), bits(ref)), (i, step)
 
     ONEBIT = [("ob_a", (2503,), "vanilla", None), ("ob_b", (3, 100), "vanilla", None),
-              ("ob_c", (1200,), "corrected", 0.1)]
+              ("ob_c", (1200,), "corrected", 0.1),
+              ("ob_d", (1500,), "vanilla:decay=0.5,server_decay=1,anneal=1", 0.4)]
     sim = {}
 
     def reference_onebit(name, shape, ef, lr, i, step):
@@ -84,7 +86,8 @@ WORKER = textwrap.dedent('''
             key = chunk_key(name, c.index)
             if (name, c.index) not in sim:
                 sim[(name, c.index)] = ([build("onebit", c.numel, ef=ef) for _ in range(W)],
-                                        build("onebit", c.numel, ef=ef), build("onebit", c.numel))
+                                        build("onebit", c.numel, ef=server_ef(ef)),
+                                        build("onebit", c.numel))
             encs, server, dec = sim[(name, c.index)]
             acc = torch.zeros(c.numel)
             for w in range(W):
@@ -97,7 +100,8 @@ WORKER = textwrap.dedent('''
 
     def check_onebit(step):
         for i, (name, shape, ef, lr) in enumerate(ONEBIT):
-            lr = None if lr is None else lr * (step + 1)
+            # rising for corrected EF; falling for anneal=1, whose workers' decay then rises
+            lr = None if lr is None else lr / (step + 1) if "anneal" in ef else lr * (step + 1)
             y = gp.push_pull(make(r, i, step, shape), name, compression="onebit", ef=ef, lr=lr,
                              min_compress_bytes=0)
             ref = reference_onebit(name, shape, ef, lr, i, step)
@@ -110,6 +114,12 @@ WORKER = textwrap.dedent('''
             raise AssertionError(f"push_pull accepted {bad!r}")
         except exc as e:
             assert "'bad'" in str(e), e
+    try:
+        gp.push_pull(torch.ones(8), "anneal_nolr", compression="onebit",
+                     ef="vanilla:decay=0.5,anneal=1")
+        raise AssertionError("push_pull accepted anneal=1 without an lr")
+    except ValueError as e:
+        assert "'anneal_nolr'" in str(e) and "learning rate" in str(e), e
     x = torch.ones(8)
     for out, exc, word in ((torch.ones(8, dtype=torch.float64), TypeError, "float32"),
                            (torch.ones(4, 4).t(), TypeError, "contiguous"),

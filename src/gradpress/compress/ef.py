@@ -292,9 +292,9 @@ class ErrorFeedback(CodecWrapper):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ValueError naming any mismatching key or shape."""
-        if isinstance(state, Mapping) and state.get("kind") != self.kind_text:
+        if isinstance(state, Mapping) and "kind" in state and state["kind"] != self.kind_text:
             raise ValueError(f"ErrorFeedback.load_state_dict: state is for kind "
-                             f"{state.get('kind')!r}, this codec has kind {self.kind_text!r}")
+                             f"{state['kind']!r}, this codec has kind {self.kind_text!r}")
         _check_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"}
                     | ({"lr_max"} if self.anneal else set()))
         lrs = {k: _positive_or_none(state, k) for k in ("lr_prev", "lr_max") if k in state}
