@@ -223,8 +223,11 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
         ef: error feedback (``"vanilla"``, ``"vanilla:decay=B"``,
             ``"vanilla:decay=B,server_decay=S"``, ``"corrected"``, ``"sparse"``, ``"none"``);
             None uses the spec's ``ef`` or ``GRADPRESS_EF``. Workers and servers each keep a
-            residual (``server_decay``: the servers' decays by ``S``, the workers' by ``B``).
-        lr: learning rate of this step, carried to the servers (corrected error feedback).
+            residual (``server_decay``: the servers' decays by ``S``, the workers' by ``B``;
+            ``",anneal=1"`` after them: the workers' decay rises from ``B`` towards 1 as ``lr``
+            falls).
+        lr: learning rate of this step, carried to the servers; required with
+            ``"corrected"`` and ``anneal=1``.
         min_compress_bytes: tensors smaller than this travel uncompressed (default from the
             config, 1 MiB).
         out: write the result here and return it (viewed with its own shape) instead of a new

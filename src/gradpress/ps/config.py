@@ -111,7 +111,8 @@ class PSConfig:
     #: Default codec spec of ``push_pull`` when the call gives none (e.g. ``"onebit"``).
     compression: str = "none"
     #: Default error feedback of ``push_pull`` (``vanilla``, ``vanilla:decay=B``,
-    #: ``vanilla:decay=B,server_decay=S``, ``corrected``, ``sparse``) or None.
+    #: ``vanilla:decay=B,server_decay=S``, with ``,anneal=1`` appended, ``corrected``,
+    #: ``sparse``) or None.
     ef: str | None = None
     #: Seconds any wait inside an operation may last before it raises (gloo closes the link).
     timeout: float = 300.0
