@@ -14,8 +14,8 @@ Compare its ``val_loss`` with the driver's run of the same seed and length
 (``onebit-lans_onebit_pos-lv-decay08-noblend-srv1-freeze160``). ``--lr``, ``--steps``,
 ``--warmup-steps`` (the lr schedule's), ``--weight-decay`` (default: the task's) and
 ``--seed`` come from ``gradpress train`` (its ``--compression`` only labels the report and
-warms the links up); the script's own options give ``gp.CLAN``'s codec, dense phase and exact
-tensors.
+warms the links up); the script's own options give ``gp.CLAN``'s codec, error feedback, dense
+phase and exact tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="stdlib-mlm", help="bundled task (default: stdlib-mlm)")
     p.add_argument("--compression", default="onebit", help="gp.CLAN's codec spec")
+    p.add_argument("--ef", default=None,
+                   help="gp.CLAN's error feedback (default: its own, "
+                        "vanilla:decay=0.8,server_decay=1)")
     p.add_argument("--warmup-steps", type=int, default=100, help="gp.CLAN's dense steps")
     p.add_argument("--uncompressed-params", nargs="*", default=[],
                    help="parameter names kept exact (e.g. pos.weight)")
@@ -51,7 +54,7 @@ def main() -> None:
     model.train()
     wd = task.defaults.weight_decay if s.cfg.weight_decay is None else s.cfg.weight_decay
     opt = gp.CLAN(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
-                  weight_decay=wd, warmup_steps=args.warmup_steps,
+                  ef=args.ef, weight_decay=wd, warmup_steps=args.warmup_steps,
                   uncompressed_params=args.uncompressed_params,
                   min_compress_bytes=args.min_compress_bytes)
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})
