@@ -104,6 +104,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lv-freeze100-noblend-srv1-decay08": {"args": {**_CLAN_SRV1, "ef-decay": 0.8}},
     "lv-freeze160-noblend-srv1-decay08": {"args": {**_CLAN_SRV1, "ef-decay": 0.8,
                                                    "freeze-step": 160}},
+    "lv-freeze100-noblend-srv1-decay08-wd001": {"args": {**_CLAN_SRV1, "ef-decay": 0.8,
+                                                         "weight-decay": 0.01}},
+    "lv-freeze100-noblend-srv1-decay08anneal-wd001": {
+        "args": {**_CLAN_SRV1, "ef-decay": 0.8, "ef-anneal": True, "weight-decay": 0.01}},
     "pos-lv-b95": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
                             "beta1": 0.95, "ef-decay": 0.95}},
     "pos-lv-b98": {"args": {"uncompressed-params": "pos.weight", "variance": "local",
