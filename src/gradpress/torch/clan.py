@@ -125,7 +125,9 @@ def CLAN(named_parameters: Iterable[tuple[str, torch.nn.Parameter]],  # noqa: N8
             the lr falls (``B_t = 1 - (1 - B) * lr / lr_max``), and on stdlib-mlm
             (``pos.weight`` exact, 160 dense steps, weight decay 0.01) every seed was within
             3% of LANS at 6400 steps, -1.49 ± 3.87% against +3.56 ± 4.64% with 0.8 fixed
-            (section 2.15). With ``"gradient"``, ``"vanilla"``. Others: ``"vanilla"`` (no decay),
+            (section 2.15); with every matrix compressed and 100 dense steps it was not
+            better (1600 steps: +4.64 ± 1.22% against +4.02 ± 4.06%, section 2.16), so it is
+            not the default. With ``"gradient"``, ``"vanilla"``. Others: ``"vanilla"`` (no decay),
             ``"vanilla:decay=B"`` (on both sides), ``"corrected"`` (scales the residual by
             lr_prev/lr_now, useful with steep lr schedules) and, with
             ``communicate="momentum"``, ``"ef21"``: the workers send differences to a
