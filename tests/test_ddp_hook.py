@@ -266,12 +266,10 @@ def _free_port() -> int:
 
 
 def _spawn(fn, out, what: str, limit: float) -> list[dict]:
-    # fork (as DataLoader workers do; each rank sets one intra-op thread first) starts in well
-    # under a second; spawn re-imports torch and the codecs in every rank
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    import torch._dynamo.utils  # noqa: F401 - DDP imports it: once here, not in every rank
+    # spawn, not fork: a rank forked from the pytest process inherits the C++ thread pools
+    # earlier tests started there, and once aborted at exit ("Resource deadlock avoided")
     ctx = mp.start_processes(fn, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
-                             start_method=method)
+                             start_method="spawn")
     deadline = time.monotonic() + limit
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
