@@ -1,0 +1,121 @@
+"""The documentation matches the code: every CLI option, GRADPRESS_* variable and public name is
+documented in docs/reference/, every relative link resolves, and docs/results.md is up to date
+with benchmarks/results/*.json."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REF = ROOT / "docs" / "reference"
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+
+#: Public names the docs must cover beyond the modules' ``__all__``.
+EXTRA_API = {"gradpress": ("OneBitLANS",), "gradpress.compress": ("EFSpec",)}
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    from gradpress.cli import build_parser
+
+    parser = build_parser()
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert actions, "gradpress.cli.build_parser() has no subcommands"
+    return dict(actions[0].choices)
+
+
+def _cli_section(name: str) -> str:
+    text = (REF / "cli.md").read_text()
+    m = re.search(rf"^## `gradpress {re.escape(name)}`\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"docs/reference/cli.md has no section '## `gradpress {name}`'"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("name", sorted(_subparsers()))
+def test_every_cli_option_is_documented(name: str) -> None:
+    section = _cli_section(name)
+    options = [s for a in _subparsers()[name]._actions for s in a.option_strings
+               if s.startswith("--") and s != "--help"]
+    missing = [o for o in options if not re.search(rf"`{re.escape(o)}[` ]", section)]
+    assert not missing, (f"options of `gradpress {name}` missing from its section of "
+                         f"docs/reference/cli.md: {missing}")
+
+
+def _env_names() -> set[str]:
+    names = set()
+    for path in (ROOT / "src").rglob("*.py"):
+        names |= set(re.findall(r"GRADPRESS_[A-Z][A-Z0-9_]*[A-Z0-9]", path.read_text()))
+    from gradpress.ps.config import PSConfig  # GRADPRESS_<FIELD> fills every field
+
+    names |= {f"GRADPRESS_{f.name.upper()}" for f in dataclasses.fields(PSConfig)}
+    return names
+
+
+def test_every_environment_variable_is_documented() -> None:
+    text = (REF / "environment.md").read_text()
+    missing = sorted(n for n in _env_names() if f"`{n}`" not in text)
+    assert not missing, f"variables missing from docs/reference/environment.md: {missing}"
+
+
+def _public_names() -> list[tuple[str, str]]:
+    out = []
+    for module in ("gradpress", "gradpress.optim", "gradpress.compress"):
+        names = [*importlib.import_module(module).__all__, *EXTRA_API.get(module, ())]
+        out += [(module, n) for n in names]
+    return out
+
+
+def test_every_public_name_is_documented() -> None:
+    text = (REF / "api.md").read_text()
+    missing = [f"{m}.{n}" for m, n in _public_names()
+               if not re.search(rf"(?<!\w){re.escape(n)}(?!\w)", text)]
+    assert not missing, f"public names missing from docs/reference/api.md: {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    anchors, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            anchors.add(_slug(m.group(1)))
+    return anchors
+
+
+def _links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path) -> None:
+    broken = []
+    for link in _links(page):
+        if re.match(r"[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link} (no file {target.relative_to(ROOT)})")
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            broken.append(f"{link} (no heading #{anchor} in {target.relative_to(ROOT)})")
+    assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
+
+
+def test_results_page_is_up_to_date() -> None:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results_md.py"), "--check"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr or r.stdout
