@@ -1,6 +1,9 @@
-"""The server engine: per key, sum the workers' pushes, add the server residual, re-compress
-and send the same bytes to every worker (the two-way compression of BytePS-Compress, Zhong et
-al. 2021, section 3).
+"""The server: per key, sum the workers' pushes, add the server residual, re-compress and send
+the same bytes to every worker (the two-way compression of BytePS-Compress, Zhong et al. 2021).
+
+:func:`reduce_pushes` is the server's arithmetic, the one implementation shared by the
+parameter server below and the DDP hook (:mod:`gradpress.ddp_hook`, whose ranks each serve a
+shard).
 
 Per key and step:
 
@@ -10,14 +13,16 @@ Per key and step:
    in, and holds receive buffers only for pushes in flight).
 2. When all workers announced the step, the key goes to the engine thread that owns it (keys
    are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`).
-3. The engine thread waits for the payloads *in worker rank order* and decode-accumulates them
-   into ``acc`` (``acc = 0; acc += D(p_w)`` for w = 0..W-1), so results do not depend on arrival
-   order; with ``average`` it then divides: ``acc /= W``.
-4. It compresses ``acc`` with the key's server codec, which carries the server's error-feedback
-   residual (``ef`` of the key's spec; the learning rate pushed with the step is passed on for
-   corrected error feedback), into one of two reply buffers (step parity), after waiting for the
-   sends that used that buffer two steps ago: double buffering, so a step never overwrites
-   bytes still in flight.
+3. The engine thread waits until the sends that used this step's reply buffer two steps ago
+   have left (two reply buffers by step parity: double buffering, so a step never overwrites
+   bytes still in flight), then runs :func:`reduce_pushes`: it waits for the payloads *in worker
+   rank order* and decode-accumulates them into ``acc`` (``acc = 0; acc += D(p_w)`` for
+   w = 0..W-1), so results do not depend on arrival order; with ``average`` it then divides:
+   ``acc /= W``.
+4. :func:`reduce_pushes` compresses ``acc`` with the key's server codec, which carries the
+   server's error-feedback residual (``ef`` of the key's spec, with its ``server_decay``; the
+   learning rate pushed with the step is passed on for corrected error feedback), into the
+   reply buffer.
 5. It sends the same reply bytes to every worker, so all replicas decode identical gradients.
 
 Run as ``python -m gradpress.ps.server`` by the launcher; colocated jobs run the engine as threads
@@ -32,11 +37,11 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..compress import build
-from ..compress.registry import server_ef
+from ..compress import Codec, build, parse_ef
 from .buffers import BufferPool
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
@@ -46,12 +51,57 @@ from .partition import assign_balanced
 from .protocol import CTRL_BYTES, OP_LOAD, OP_SAVE, OP_STOP, KeyDescriptor
 from .trace import Tracer, trace_path
 from .transport import CTRL_TAG, Op, Transport, payload_buffer
-from .validate import add_push, check_sum, read_control, require_declared
+from .validate import add_push, check_sum, is_finite, read_control, require_declared
 from .watchdog import Watchdog
 
-__all__ = ["ServerEngine", "serve", "main"]
+__all__ = ["reduce_pushes", "ServerEngine", "serve", "main"]
 
 log = logging.getLogger(__name__)
+
+
+def reduce_pushes(pushes: Iterable[tuple[str, torch.Tensor]], decoder: Codec, encoder: Codec,
+                  acc: torch.Tensor, *, key: int, step: int, lr: float | None, divisor: int,
+                  label: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The server side of two-way compression for one key and step; returns the reply payload.
+
+    1. ``acc = 0``, then ``acc += D(p)`` for each ``(sender, p)`` of ``pushes`` in the order
+       given (rank order: the float32 additions happen in the same order on every run), each
+       push validated first (header: codec, numel, fingerprint, size, ``key``, ``step``);
+    2. ``acc /= divisor`` (the number of workers when averaging, 1 for the plain sum);
+    3. ``encoder.compress(acc, key, step, lr, out)``: the encoder carries the server residual.
+
+    Args:
+        pushes: ``(sender, payload)`` pairs in rank order; may be a generator that waits for
+            each payload as it is asked for it.
+        decoder: the codec of the pushes (its header checks and decoders are used).
+        encoder: the codec of the reply, usually with the server's error feedback.
+        acc: float32 accumulator of ``decoder.numel`` elements (overwritten).
+        key, step, lr: the round's key and step (checked in every push) and learning rate
+            (carried in the reply).
+        divisor: what the sum is divided by (>= 1).
+        label: names the key in error messages.
+        out: the reply buffer (``encoder.payload_bytes``), or None for a new tensor.
+
+    Raises :class:`~gradpress.ps.errors.PayloadError` naming the sender of a push that fails
+    validation, or the first sender whose push makes the sum non-finite; the encoder's state is
+    then untouched.
+    """
+    acc.zero_()
+    seen: list[tuple[str, torch.Tensor]] = []
+    for sender, payload in pushes:
+        add_push(decoder, payload, acc, key=key, step=step, sender=sender, label=label)
+        seen.append((sender, payload))
+    if divisor != 1:
+        acc.div_(divisor)
+    try:  # the encoder adds its residual, checks finiteness (no extra pass) and compresses
+        return encoder.compress(acc, key=key, step=step, lr=lr, out=out)
+    except ValueError:
+        if is_finite(acc):
+            raise  # not the pushes' fault (e.g. the residual overflowed)
+        # error path only: name the first sender whose push makes the sum non-finite
+        check_sum(acc, decoder, [p for _, p in seen], [s for s, _ in seen], key=key,
+                  label=label)
+        raise
 
 
 class _KeyState:
@@ -61,9 +111,10 @@ class _KeyState:
         self.key = key
         self.desc = desc
         self.label = f"key {key} ({desc.label})"
+        self.ef = parse_ef(desc.ef)
         self.dec = build(desc.spec, desc.numel, seed=desc.seed)
         # the workers' error feedback, with its server_decay when the kind has one
-        self.enc = build(desc.spec, desc.numel, ef=server_ef(desc.ef), seed=desc.seed)
+        self.enc = build(desc.spec, desc.numel, ef=self.ef.for_server(), seed=desc.seed)
         self.nbytes = self.dec.payload_bytes
         self.thread = thread
         # per worker: the buffer of its pending push, lent by the engine's pool (framed)
@@ -260,38 +311,38 @@ class ServerEngine(ServerStateMixin):
         return self._accs[thread][:numel]
 
     def _reduce(self, ks: _KeyState) -> None:
-        step, timeout = ks.step, self.cfg.timeout
+        step, timeout, slot = ks.step, self.cfg.timeout, ks.step % 2
         t0 = time.perf_counter()
-        acc = self._accumulator(ks.thread, ks.desc.numel)
-        acc.zero_()
-        wait_s = 0.0
-        for w, rank in enumerate(self.pushers):  # step 3: rank order, not arrival order
-            tw = time.perf_counter()
-            ks.recv_ops[w].wait(timeout, "push")  # type: ignore[union-attr]
-            wait_s += time.perf_counter() - tw
-            add_push(ks.dec, ks.recv[w], acc, key=ks.key, step=step, label=ks.label,
-                     sender=self.cluster.describe(rank))
-        check_sum(acc, ks.dec, ks.recv, [self.cluster.describe(r) for r in self.pushers],
-                  key=ks.key, label=ks.label)  # non-finite: name the sender, send nothing
+        for op in ks.sends[slot]:  # step 3: the reply buffer of step - 2 must have left
+            op.wait(timeout, "pull (reply of step - 2)")
+        times = {"wait": time.perf_counter() - t0}
+        divisor = self.cluster.layout.num_workers if ks.desc.average else 1  # also when node
+        reduce_pushes(self._pushes(ks, times), ks.dec, ks.enc,  # leaders push sums
+                      self._accumulator(ks.thread, ks.desc.numel), key=ks.key, step=step,
+                      lr=self._step_lr(ks), divisor=divisor, label=ks.label,
+                      out=ks.reply[slot])
+        t2 = time.perf_counter()
         for w, buf in enumerate(ks.recv):  # decoded: the pushes' buffers go back to the pool
             self._buffers.give(buf)  # type: ignore[arg-type]
             ks.recv[w] = None
-        if ks.desc.average:  # by the number of workers, also when node leaders push sums
-            acc.div_(self.cluster.layout.num_workers)
-        t1 = time.perf_counter()
-        slot = step % 2
-        for op in ks.sends[slot]:  # step 4: the buffer of step-2 must have left
-            op.wait(timeout, "pull (reply of step - 2)")
-        ks.enc.compress(acc, key=ks.key, step=step, lr=self._step_lr(ks), out=ks.reply[slot])
-        t2 = time.perf_counter()
         ks.step += 1
         ks.sends[slot] = [self.transport.isend(ks.reply[slot], rank, ks.key, ks.label, "pull")
                           for rank in self.pushers]  # step 5: same bytes to every worker
-        self._account(ks, t0, t1, t2, wait_s)
+        self._account(ks, t0, times["decoded"], t2, times["wait"])
+
+    def _pushes(self, ks: _KeyState, times: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The key's pushes in rank order, each as soon as it arrived; records the waits in
+        ``times["wait"]`` and when the last push was handed over in ``times["decoded"]``."""
+        for w, rank in enumerate(self.pushers):  # rank order, not arrival order
+            tw = time.perf_counter()
+            ks.recv_ops[w].wait(self.cfg.timeout, "push")  # type: ignore[union-attr]
+            times["wait"] += time.perf_counter() - tw
+            yield self.cluster.describe(rank), ks.recv[w]  # type: ignore[misc]
+        times["decoded"] = time.perf_counter()
 
     def _step_lr(self, ks: _KeyState) -> float | None:
         lr = ks.lrs[0]
-        if ks.desc.ef == "corrected" and any(x != lr for x in ks.lrs):
+        if ks.ef.kind == "corrected" and any(x != lr for x in ks.lrs):
             raise ConfigMismatchError(f"{self.name}: workers pushed {ks.label} at step {ks.step} "
                                       f"with different learning rates {ks.lrs}")
         return lr
