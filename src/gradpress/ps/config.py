@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..compress.spec import EFSpec, parse_ef
+
 __all__ = ["PSConfig", "ClusterConfig", "ROLES", "COMPRESS_ON", "available_cores"]
 
 ROLES = ("worker", "server")
@@ -58,7 +60,7 @@ def _parser(tp: Any) -> Callable[[str, str], Any]:
     table: dict[Any, Callable[[str, str], Any]] = {
         "int": lambda n, t: int(t), "float": lambda n, t: float(t), "str": lambda n, t: t,
         "bool": _parse_bool, "str | None": _parse_optional_str,
-        "int | None": _parse_optional_int,
+        "int | None": _parse_optional_int, "str | EFSpec | None": _parse_optional_str,
     }
     return table[tp]
 
@@ -110,10 +112,10 @@ class PSConfig:
     min_compress_bytes: int = 1 << 20
     #: Default codec spec of ``push_pull`` when the call gives none (e.g. ``"onebit"``).
     compression: str = "none"
-    #: Default error feedback of ``push_pull`` (``vanilla``, ``vanilla:decay=B``,
-    #: ``vanilla:decay=B,server_decay=S``, with ``,anneal=1`` appended, ``corrected``,
-    #: ``sparse``) or None.
-    ef: str | None = None
+    #: Default error feedback of ``push_pull``: an :class:`~gradpress.compress.EFSpec` or its
+    #: text (``vanilla``, ``vanilla:decay=B``, ``vanilla:decay=B,server_decay=S``, with
+    #: ``,anneal=1`` appended, ``corrected``, ``sparse``), or None.
+    ef: str | EFSpec | None = None
     #: Seconds any wait inside an operation may last before it raises (gloo closes the link).
     timeout: float = 300.0
     #: Seconds a server waits for a worker's next message between operations; 0 = no limit
@@ -161,8 +163,10 @@ class PSConfig:
         if not isinstance(self.compression, str) or not self.compression.strip():
             raise ValueError(f"PSConfig.compression must be a codec spec string such as 'none' "
                              f"or 'onebit', got {self.compression!r}")
-        if self.ef is not None and not isinstance(self.ef, str):
-            raise ValueError(f"PSConfig.ef must be None or a string, got {self.ef!r}")
+        try:
+            parse_ef(self.ef)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"PSConfig.ef={self.ef!r} is invalid: {e}") from None
         if self.compress_on not in COMPRESS_ON:
             raise ValueError(f"PSConfig.compress_on must be one of {', '.join(COMPRESS_ON)}, "
                              f"got {self.compress_on!r}")

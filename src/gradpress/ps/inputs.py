@@ -10,32 +10,28 @@ from typing import Any
 
 import torch
 
-from ..compress.spec import CodecSpec, parse_spec
+from ..compress.registry import pick_ef
+from ..compress.spec import CodecSpec, EFSpec, parse_ef, parse_spec
 from .config import PSConfig
 
 __all__ = ["resolve_codec", "check_out", "flat_fp32", "host_buffer", "on_stream"]
 
-_NO_EF = (None, "", "none")
 
-
-def resolve_codec(compression: str | Mapping[str, Any] | CodecSpec | None, ef: str | None,
-                  cfg: PSConfig) -> tuple[CodecSpec, dict[str, Any]]:
+def resolve_codec(compression: str | Mapping[str, Any] | CodecSpec | None,
+                  ef: str | EFSpec | None, cfg: PSConfig) -> tuple[CodecSpec, dict[str, Any]]:
     """Split a spec into the codec spec and wrapper options; call arguments beat config defaults.
 
-    Returns ``(codec spec without wrappers, {"ef": ..., "momentum": ..., "mu": ...})``.
+    Returns ``(codec spec without wrappers, {"ef": ..., "momentum": ..., "mu": ...})``, with
+    ``"ef"`` the canonical text of the error feedback (``str(EFSpec)``; None for none): what
+    the key descriptors and checkpoints carry.
     """
-    cs = parse_spec(cfg.compression if compression is None else compression)
-    wrappers = dict(cs.wrappers)
-    spec_ef = wrappers.pop("ef", None)
-    if ef is not None and spec_ef is not None and str(ef).lower() != str(spec_ef).lower():
-        raise ValueError(f"ef given twice with different values: {ef!r} (argument) and "
-                         f"{spec_ef!r} (compression spec {compression!r})")
-    chosen = ef if ef is not None else spec_ef if spec_ef is not None else cfg.ef
-    chosen = None if chosen is None else str(chosen).strip().lower()
-    wrappers["ef"] = None if chosen in _NO_EF else chosen
-    if str(wrappers.get("momentum", "")).lower() in _NO_EF:
+    spec = parse_spec(cfg.compression if compression is None else compression)
+    wrappers = dict(spec.wrappers)
+    chosen = pick_ef(ef, wrappers.pop("ef", None), compression) or parse_ef(cfg.ef)
+    wrappers["ef"] = str(chosen) if chosen.enabled else None
+    if str(wrappers.get("momentum", "")).strip().lower() in ("", "none"):
         wrappers.pop("momentum", None)
-    return CodecSpec(cs.name, dict(cs.params)), wrappers
+    return CodecSpec(spec.name, dict(spec.params)), wrappers
 
 
 def check_out(out: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
