@@ -3,7 +3,7 @@
 Internal to :mod:`gradpress.ddp_hook` (steps 4 and 6 of
 :func:`~gradpress.ddp_hook.two_way_compression_hook`). Every payload a rank decodes comes from
 another process and is checked before use, with the parameter-server checks of
-:mod:`gradpress.ps.validate`; a bad one raises :class:`~gradpress.ps.errors.PayloadError` naming
+:mod:`gradpress.ps.protocol`; a bad one raises :class:`~gradpress.ps.errors.PayloadError` naming
 the sending rank, the bucket index and shard, and what was wrong:
 
 1. pushes a rank serves as the owner of a shard (step 4), by the parameter server's own
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .ps.errors import PayloadError
+from .ps.protocol import decode_reply
 from .ps.server import reduce_pushes
-from .ps.validate import decode_reply
 
 if TYPE_CHECKING:
     from .compress import Codec

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from .compress.spec import CodecSpec
+from .ps.calls import Handle
 from .ps.cluster import Cluster
 from .ps.config import ClusterConfig, PSConfig, available_cores
 from .ps.errors import GradpressError, NotInitializedError
-from .ps.handle import Handle
 from .ps.hierarchy import HierarchicalEngine
 from .ps.server import ServerEngine, serve
 from .ps.trace import Tracer, trace_path
@@ -255,14 +255,14 @@ def worker_state_dict(names: set[str] | None = None) -> dict[str, Any]:
     """This worker's codec state per tensor name and chunk: error-feedback residuals, momentum
     buffers and step counters (CPU copies; ``names`` restricts the tensors). No push_pull may
     be in flight (call the optimizer's ``step()`` first)."""
-    return _rt().worker.state_dict(names)
+    return _rt().worker.checkpoint.state_dict(names)
 
 
 def load_worker_state_dict(state: Mapping[str, Any]) -> None:
     """Restore :func:`worker_state_dict` output (of the same rank). Tensors not pushed yet get
     their state at their first push_pull, which raises ValueError naming the tensor if its size,
     codec or chunking differ from the saved ones."""
-    _rt().worker.load_state_dict(dict(state))
+    _rt().worker.checkpoint.load_state_dict(dict(state))
 
 
 def save_server_state(directory: str) -> None:
@@ -272,14 +272,14 @@ def save_server_state(directory: str) -> None:
     returns when every server acknowledged (bounded by ``GRADPRESS_TIMEOUT``; an error names
     the server). The directory must be reachable under this path by the servers.
     """
-    _rt().worker.server_state("save", _abs_dir(directory))
+    _rt().worker.checkpoint.server_state("save", _abs_dir(directory))
 
 
 def load_server_state(directory: str) -> None:
     """Every server reads the ``server*.pt`` files of ``directory`` (written by
     :func:`save_server_state`) and restores its keys; keys not pushed yet get their state at
     their first push. Collective over the workers, like :func:`save_server_state`."""
-    _rt().worker.server_state("load", _abs_dir(directory))
+    _rt().worker.checkpoint.server_state("load", _abs_dir(directory))
 
 
 def _abs_dir(directory: str) -> str:

@@ -42,16 +42,25 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..compress import Codec, build, parse_ef
-from .buffers import BufferPool
+from .checkpointing import ServerCheckpoint
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
-from .engine_state import ServerStateMixin
 from .errors import ConfigMismatchError, GradpressError
 from .partition import assign_balanced
-from .protocol import CTRL_BYTES, OP_LOAD, OP_SAVE, OP_STOP, KeyDescriptor
+from .protocol import (
+    CTRL_BYTES,
+    OP_LOAD,
+    OP_SAVE,
+    OP_STOP,
+    KeyDescriptor,
+    add_push,
+    check_sum,
+    is_finite,
+    read_control,
+    require_declared,
+)
 from .trace import Tracer, trace_path
-from .transport import CTRL_TAG, Op, Transport, payload_buffer
-from .validate import add_push, check_sum, is_finite, read_control, require_declared
+from .transport import CTRL_TAG, BufferPool, Op, Transport, payload_buffer
 from .watchdog import Watchdog
 
 __all__ = ["reduce_pushes", "ServerEngine", "serve", "main"]
@@ -104,7 +113,7 @@ def reduce_pushes(pushes: Iterable[tuple[str, torch.Tensor]], decoder: Codec, en
         raise
 
 
-class _KeyState:
+class KeyState:
     """Buffers, codecs and counters of one key on its server."""
 
     def __init__(self, key: int, desc: KeyDescriptor, pushers: int, thread: int) -> None:
@@ -129,9 +138,10 @@ class _KeyState:
         self.lock = threading.Lock()
 
 
-class ServerEngine(ServerStateMixin):
-    """Server ``index`` of the job, running on threads of the current process (checkpoint
-    methods, and loading ``cfg.resume`` before serving: ``ServerStateMixin``).
+class ServerEngine:
+    """Server ``index`` of the job, running on threads of the current process (its keys' state,
+    loaded from ``cfg.resume`` before serving: ``checkpoint``, a
+    :class:`~gradpress.ps.checkpointing.ServerCheckpoint`).
 
     Args:
         cluster: the joined job.
@@ -153,7 +163,7 @@ class ServerEngine(ServerStateMixin):
         self.pushers = cluster.layout.pushers
         self.tracer = tracer or Tracer(None, cluster.rank, self.name)
         self._on_error = on_error
-        self._keys: dict[int, _KeyState] = {}
+        self._keys: dict[int, KeyState] = {}
         self._keys_lock = threading.Lock()
         self._thread_loads = [0] * cfg.engine_threads
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue()
@@ -169,7 +179,7 @@ class ServerEngine(ServerStateMixin):
         self._threads: list[threading.Thread] = []
         self.stats = {"bytes_received": 0, "bytes_sent": 0, "steps": 0, "decode_s": 0.0,
                       "compress_s": 0.0, "wait_s": 0.0}
-        self._init_state()
+        self.checkpoint = ServerCheckpoint(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> ServerEngine:
@@ -205,7 +215,7 @@ class ServerEngine(ServerStateMixin):
                                      f"{self.cfg.timeout:g} s of the stop")
         if self._error is not None:
             raise self._error
-        for ks in list(self._keys.values()):
+        for ks in self.keys():
             for op in ks.sends[0] + ks.sends[1]:
                 op.wait(self.cfg.timeout, "pull (final replies)")
         self.tracer.write()
@@ -213,6 +223,11 @@ class ServerEngine(ServerStateMixin):
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    def keys(self) -> list[KeyState]:
+        """The keys this server has seen so far."""
+        with self._keys_lock:
+            return list(self._keys.values())
 
     def _guard(self, fn: object, arg: int) -> None:
         try:
@@ -247,8 +262,8 @@ class ServerEngine(ServerStateMixin):
             msg = read_control(buf, sender=who, receiver=self.name)  # hostile input checks
             if msg.op == OP_STOP:
                 break
-            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.state)
-                self._state_request(w, msg)
+            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.checkpointing)
+                self.checkpoint.request(w, msg)
                 continue
             if msg.key not in self._keys:
                 require_declared(self.cluster.store, msg.key, sender=who, receiver=self.name)
@@ -270,7 +285,7 @@ class ServerEngine(ServerStateMixin):
             if self._live_controls == 0:
                 self._stopped.set()
 
-    def _check_push(self, ks: _KeyState, w: int, step: int, nbytes: int) -> None:
+    def _check_push(self, ks: KeyState, w: int, step: int, nbytes: int) -> None:
         who = self.cluster.describe(self.pushers[w])
         if nbytes != ks.nbytes:
             raise ConfigMismatchError(f"{self.name}: {who} pushes {nbytes} bytes for "
@@ -279,7 +294,7 @@ class ServerEngine(ServerStateMixin):
             raise ConfigMismatchError(f"{self.name}: {who} pushes {ks.label} at step {step}, "
                                       f"expected step {ks.next_step[w]}")
 
-    def _key_state(self, key: int) -> _KeyState:
+    def _key_state(self, key: int) -> KeyState:
         with self._keys_lock:
             ks = self._keys.get(key)
             if ks is not None:
@@ -292,8 +307,8 @@ class ServerEngine(ServerStateMixin):
             nbytes = build(desc.spec, desc.numel, seed=desc.seed).payload_bytes
             thread = assign_balanced({key: nbytes}, self._thread_loads)[key]
             self._thread_loads[thread] += nbytes
-            ks = self._keys[key] = _KeyState(key, desc, len(self.pushers), thread)
-            self._restore(ks)  # saved state loaded from a checkpoint, if any
+            ks = self._keys[key] = KeyState(key, desc, len(self.pushers), thread)
+            self.checkpoint.restore(ks)  # saved state loaded from a checkpoint, if any
             return ks
 
     # -- steps 3-5: engine threads -------------------------------------------------------------
@@ -310,7 +325,7 @@ class ServerEngine(ServerStateMixin):
             self._accs[thread] = torch.empty(numel, dtype=torch.float32)
         return self._accs[thread][:numel]
 
-    def _reduce(self, ks: _KeyState) -> None:
+    def _reduce(self, ks: KeyState) -> None:
         step, timeout, slot = ks.step, self.cfg.timeout, ks.step % 2
         t0 = time.perf_counter()
         for op in ks.sends[slot]:  # step 3: the reply buffer of step - 2 must have left
@@ -330,7 +345,8 @@ class ServerEngine(ServerStateMixin):
                           for rank in self.pushers]  # step 5: same bytes to every worker
         self._account(ks, t0, times["decoded"], t2, times["wait"])
 
-    def _pushes(self, ks: _KeyState, times: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _pushes(self, ks: KeyState,
+                times: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
         """The key's pushes in rank order, each as soon as it arrived; records the waits in
         ``times["wait"]`` and when the last push was handed over in ``times["decoded"]``."""
         for w, rank in enumerate(self.pushers):  # rank order, not arrival order
@@ -340,14 +356,14 @@ class ServerEngine(ServerStateMixin):
             yield self.cluster.describe(rank), ks.recv[w]  # type: ignore[misc]
         times["decoded"] = time.perf_counter()
 
-    def _step_lr(self, ks: _KeyState) -> float | None:
+    def _step_lr(self, ks: KeyState) -> float | None:
         lr = ks.lrs[0]
         if ks.ef.kind == "corrected" and any(x != lr for x in ks.lrs):
             raise ConfigMismatchError(f"{self.name}: workers pushed {ks.label} at step {ks.step} "
                                       f"with different learning rates {ks.lrs}")
         return lr
 
-    def _account(self, ks: _KeyState, t0: float, t1: float, t2: float, wait_s: float) -> None:
+    def _account(self, ks: KeyState, t0: float, t1: float, t2: float, wait_s: float) -> None:
         s = self.stats
         with ks.lock:
             s["bytes_received"] += ks.nbytes * len(self.pushers)
@@ -376,7 +392,7 @@ def serve(ccfg: ClusterConfig, cfg: PSConfig) -> None:
     engine = ServerEngine(cluster, cfg, transport, index, tracer=tracer).start()
     with Watchdog(cluster, interval=cfg.watchdog_interval, exit_within=cfg.timeout,
                   exit_at_once=True):
-        engine.join()  # a failure recorded anywhere ends this process (reliability.md)
+        engine.join()  # a failure recorded anywhere ends this process
     # only after a clean stop: with a failed peer, tearing gloo down could block
     cluster.close()
 
