@@ -380,7 +380,7 @@ def test_loaded_state_before_first_compress_is_visible():
     assert torch.equal(ef.residual, r)
 
 
-# -- EFSpec ---------------------------------------------------------------------------------------
+# -- EFSpec ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text", ["vanilla", "corrected", "sparse", "none", "vanilla:decay=0.9",
                                   "vanilla:decay=1.0", "vanilla:decay=0.8,server_decay=1.0",
                                   "vanilla:decay=0.8,server_decay=1.0,anneal=1",
@@ -414,7 +414,7 @@ def test_efspec_fields_are_checked_and_none_means_off():
         build("onebit:ef=vanilla", N, ef=EFSpec(kind="corrected"))
 
 
-# -- the server's reduce (gradpress.ps.server.reduce_pushes) ----------------------------------------
+# -- the server's reduce (gradpress.ps.server.reduce_pushes) ---------------------------------
 def _reduce(dec, enc, pushes, *, step=0, lr=None, divisor=1, acc=None):
     acc = torch.full((dec.numel,), float("nan")) if acc is None else acc  # overwritten
     return reduce_pushes([(f"worker{i}", p) for i, p in enumerate(pushes)], dec, enc, acc,

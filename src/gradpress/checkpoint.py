@@ -1,7 +1,7 @@
 """Exact checkpoints of a gradpress training job: model, optimizer, and the compression state
 of every worker and server (error-feedback residuals, momentum buffers, step counters), so a
-resumed run continues bit-identically (design brief §3: residuals are state; DeepSpeed resets
-them, we do not). Layout of a checkpoint directory::
+resumed run continues bit-identically (residuals are state: DeepSpeed resets them, we do not).
+Layout of a checkpoint directory::
 
     meta.json        format, step, world sizes, compression spec, save tag (written last)
     worker<r>.pt     per worker: its codec state, RNG state and ``extra``; worker 0 also holds
@@ -20,7 +20,7 @@ Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADP
         if step % 1000 == 999:
             gradpress.checkpoint.save("ckpt", model, opt, step + 1)
 
-See ``docs/checkpoints.md``.
+See docs/design.md (checkpoints).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Both are frozen, keyword-only dataclasses validated on construction. ``GRADPRESS_*`` environment
 variables only fill defaults: ``PSConfig.from_env(timeout=10)`` reads the environment for every
-field not given explicitly. The variables are listed in ``docs/environment.md``.
+field not given explicitly. The variables are listed in docs/reference/environment.md.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class PSConfig:
     #: (a crashed worker still ends the wait at once: its connection closes).
     idle_timeout: float = 0.0
     #: Seconds between the failure watchdog's polls of the store; 0 disables it. A failure
-    #: any process records reaches every process within this; see docs/reliability.md.
+    #: any process records reaches every process within this; see docs/design.md.
     watchdog_interval: float = 1.0
     #: Where a worker compresses a tensor: ``"host"`` (numba kernels on CPU; a GPU tensor is
     #: copied to pinned host memory chunk by chunk) or ``"device"`` (the codecs' torch-op
@@ -146,7 +146,7 @@ class PSConfig:
     #: and pulls, then broadcast within the node. Must be the same in every process.
     hierarchical: bool = False
     #: Checkpoint directory whose server state the server engines load when they start (set
-    #: by ``gradpress launch --resume DIR``; see ``docs/checkpoints.md``).
+    #: by ``gradpress launch --resume DIR``; see docs/design.md).
     resume: str | None = None
 
     def __post_init__(self) -> None:
