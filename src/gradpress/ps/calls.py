@@ -21,7 +21,7 @@ from ..compress.spec import CodecSpec, EFSpec, parse_ef, parse_spec
 from .config import PSConfig
 from .errors import CommTimeoutError
 from .protocol import CTRL_BYTES, KeyDescriptor
-from .transport import Op
+from .transport import Transfer
 
 __all__ = ["resolve_codec", "check_out", "flat_fp32", "host_buffer", "on_stream", "Handle",
            "Plan", "ChunkState", "ChunkJob"]
@@ -225,6 +225,6 @@ class ChunkJob:
     step: int = 0
     send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
     recv: torch.Tensor | None = None
-    ops: list[Op] = field(default_factory=list)
-    recv_op: Op | None = None
+    ops: list[Transfer] = field(default_factory=list)
+    recv_op: Transfer | None = None
     t_sent: float = 0.0

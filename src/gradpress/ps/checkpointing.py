@@ -61,11 +61,6 @@ __all__ = ["FORMAT", "META_FILE", "worker_file", "server_file", "atomic_save", "
 
 log = logging.getLogger(__name__)
 
-#: A server key (``gradpress.ps.server.KeyState``): ``desc``, ``step``, ``next_step``,
-#: ``arrived``, ``lock``, ``label`` and its server codec ``enc``.
-KeyState = Any
-
-
 class WorkerSide(Protocol):
     """What :class:`WorkerCheckpoint` uses of the worker engine."""
 
@@ -89,8 +84,10 @@ class ServerSide(Protocol):
     name: str
     pushers: list[int]
 
-    def keys(self) -> list[KeyState]:
-        """The keys the server has seen so far."""
+    def keys(self) -> list[Any]:
+        """The keys the server has seen so far (``gradpress.ps.server.KeyState``: ``desc``,
+        ``step``, ``next_step``, ``arrived``, ``lock``, ``label`` and the server codec
+        ``enc``)."""
 
 FORMAT = 1
 META_FILE = "meta.json"
@@ -277,14 +274,14 @@ class WorkerCheckpoint:
 
 
 # -- server side ----------------------------------------------------------------------------
-def key_entry(ks: KeyState) -> dict[str, Any]:
+def key_entry(ks: Any) -> dict[str, Any]:
     """State of one server key."""
     d = ks.desc
     return {"generation": d.generation, "numel": d.numel, "spec": d.spec, "ef": d.ef,
             "seed": d.seed, "average": d.average, "step": ks.step, "codec": ks.enc.state_dict()}
 
 
-def server_snapshot(keys: Iterable[KeyState], layout: Layout, index: int,
+def server_snapshot(keys: Iterable[Any], layout: Layout, index: int,
                     tag: str | None) -> dict[str, Any]:
     """Server ``index``'s file content: the newest generation of every (tensor, chunk)."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
@@ -318,7 +315,7 @@ def read_server_states(directory: str | os.PathLike, layout: Layout, who: str,
     return found
 
 
-def restore_key(ks: KeyState, entry: Mapping[str, Any], pushers: int, who: str) -> None:
+def restore_key(ks: Any, entry: Mapping[str, Any], pushers: int, who: str) -> None:
     """Load a saved server key into ``ks`` (codec state and step counters)."""
     d = ks.desc
     for field, now in (("numel", d.numel), ("spec", d.spec), ("ef", d.ef), ("seed", d.seed),
@@ -336,7 +333,7 @@ def restore_key(ks: KeyState, entry: Mapping[str, Any], pushers: int, who: str) 
         ks.next_step = [step] * pushers
 
 
-def wait_quiescent(keys: Iterable[KeyState], timeout: float, who: str) -> None:
+def wait_quiescent(keys: Iterable[Any], timeout: float, who: str) -> None:
     """Wait until every announced step of every key was reduced (bounded by ``timeout``)."""
     deadline = time.monotonic() + timeout
     for ks in keys:
@@ -374,7 +371,7 @@ class ServerCheckpoint:
             log.info("%s: %d saved keys pending from %s", engine.name, len(self._pending),
                      resume)
 
-    def restore(self, ks: KeyState) -> None:
+    def restore(self, ks: Any) -> None:
         """Apply pending saved state to key ``ks`` (a new key, or one loaded into)."""
         with self._lock:
             entry = self._pending.pop((ks.desc.name, ks.desc.chunk), None)

@@ -60,7 +60,7 @@ from .protocol import (
     require_declared,
 )
 from .trace import Tracer, trace_path
-from .transport import CTRL_TAG, BufferPool, Op, Transport, payload_buffer
+from .transport import CTRL_TAG, BufferPool, Transfer, Transport, payload_buffer
 from .watchdog import Watchdog
 
 __all__ = ["reduce_pushes", "ServerEngine", "serve", "main"]
@@ -128,13 +128,13 @@ class KeyState:
         self.thread = thread
         # per worker: the buffer of its pending push, lent by the engine's pool (framed)
         self.recv: list[torch.Tensor | None] = [None] * pushers
-        self.recv_ops: list[Op | None] = [None] * pushers
+        self.recv_ops: list[Transfer | None] = [None] * pushers
         self.lrs: list[float | None] = [None] * pushers
         self.next_step = [0] * pushers  # per worker: the step its next announcement must carry
         self.arrived = 0
         self.step = 0
         self.reply = [payload_buffer(self.nbytes) for _ in range(2)]
-        self.sends: list[list[Op]] = [[], []]
+        self.sends: list[list[Transfer]] = [[], []]
         self.lock = threading.Lock()
 
 

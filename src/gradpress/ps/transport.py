@@ -41,8 +41,8 @@ import torch.distributed as dist
 from ..compress.header import HEADER_BYTES
 from .errors import CommTimeoutError, PayloadError, PeerError
 
-__all__ = ["Op", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES", "payload_buffer",
-           "BufferPool", "ByteBudget"]
+__all__ = ["Transfer", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES",
+           "payload_buffer", "BufferPool", "ByteBudget"]
 
 #: Directions of messages: worker -> server ("push") and server -> worker ("pull").
 LANES = ("push", "pull")
@@ -85,7 +85,7 @@ def _frame(buf: torch.Tensor, label: str, is_send: bool) -> tuple[torch.Tensor, 
     return full, a
 
 
-class Op:
+class Transfer:
     """A posted send or receive; :meth:`wait` blocks until it completed."""
 
     def __init__(self, work: object, kind: str, peer: str, label: str,
@@ -190,16 +190,16 @@ class Transport:
         self._mailbox = _Mailbox()
         self._lock = threading.Lock()
 
-    def isend(self, buf: torch.Tensor, dst: int, tag: int, label: str, lane: str) -> Op:
+    def isend(self, buf: torch.Tensor, dst: int, tag: int, label: str, lane: str) -> Transfer:
         """Post a send of uint8 ``buf`` to world rank ``dst``; keep ``buf`` alive until waited."""
         return self._post(buf, dst, tag, label, lane, is_send=True)
 
-    def irecv(self, buf: torch.Tensor, src: int, tag: int, label: str, lane: str) -> Op:
+    def irecv(self, buf: torch.Tensor, src: int, tag: int, label: str, lane: str) -> Transfer:
         """Post a receive into ``buf`` from world rank ``src`` (sizes must match the send)."""
         return self._post(buf, src, tag, label, lane, is_send=False)
 
     def _post(self, buf: torch.Tensor, peer: int, tag: int, label: str, lane: str,
-              is_send: bool) -> Op:
+              is_send: bool) -> Transfer:
         kind = "send" if is_send else "receive"
         if lane not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
@@ -217,7 +217,7 @@ class Transport:
                     raise PeerError(f"posting {kind} of {label} with "
                                     f"{self._describe(peer)} failed: {e}", key=label,
                                     peer=self._describe(peer), stage="post") from e
-        return Op(work, kind, self._describe(peer), label, self._context, check)
+        return Transfer(work, kind, self._describe(peer), label, self._context, check)
 
 
 class BufferPool:
