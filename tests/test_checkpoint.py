@@ -29,8 +29,13 @@ import pytest
 import torch
 
 from gradpress.cli import main
+from gradpress.ps.checkpointing import (
+    atomic_save,
+    check_worker_state,
+    read_server_states,
+    restore_plan,
+)
 from gradpress.ps.cluster import Layout
-from gradpress.ps.state import atomic_save, check_worker_state, read_server_states, restore_plan
 
 N, M = 4, 3
 
@@ -200,9 +205,9 @@ def test_state_validation(tmp_path: Path) -> None:
         check_worker_state({"format": 1, "tensors": {"w": {"signature": {}, "chunks": [
             {"step": -1}]}}})
     # a plan whose chunking differs from the saved one: ValueError naming the tensor
-    cs = SimpleNamespace(desc=SimpleNamespace(numel=4, chunk=0), step=0)
+    chunk = SimpleNamespace(desc=SimpleNamespace(numel=4, chunk=0), step=0)
     plan = SimpleNamespace(name="layer.w", signature=(4, "none", (), (("ef", None),), True),
-                           chunks=[cs])
+                           chunks=[chunk])
     entry = {"signature": {"numel": 4, "codec": "none", "params": {}, "wrappers": {"ef": None},
                            "average": True}, "chunks": [{"numel": 2, "step": 1, "codec": {}}]}
     with pytest.raises(ValueError, match="'layer.w'.*partition_bytes"):

@@ -7,7 +7,8 @@ check them:
   averaging divides by a power of two, so the summation order cannot differ).
 * ``onebit`` (else topk) with error feedback: replicas stay bit-identical, the loss decreases.
 * One bucket (uneven shards, two buckets in flight, several steps, overlap on and off): the hook's
-  result equals a reference built from ``gradpress.compress.build`` only, bit for bit.
+  result equals a reference built from ``gradpress.compress.build`` and the servers' own
+  ``reduce_pushes``, bit for bit.
 * A pickled state resumes: the next step gives the same bytes as the uninterrupted state.
 
 A second spawn: rank 1 corrupts a push or a reply (key, step, codec id, NaN); every rank raises a
@@ -29,6 +30,7 @@ from torch import nn
 
 from gradpress.compress import build, codec_names
 from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from gradpress.ps.server import reduce_pushes
 
 WORLD = 2
 SPEC = "onebit" if "onebit" in codec_names() else "topk:k=0.1"
@@ -74,12 +76,12 @@ def reference(spec: str, index: int, numel: int, steps: range) -> list[torch.Ten
     for t in steps:
         out = torch.empty(numel)
         for s, (lo, hi) in enumerate(bounds):
-            key, acc = index * WORLD + s, torch.zeros(hi - lo)
-            for r in range(WORLD):
-                acc += workers[r][s].decompress(
-                    workers[r][s].compress(grad(r, index, t, numel)[lo:hi], key=key, step=t))
-            acc /= WORLD
-            out[lo:hi] = servers[s].decompress(servers[s].compress(acc, key=key, step=t))
+            key = index * WORLD + s
+            pushes = [(f"rank {r}", workers[r][s].compress(grad(r, index, t, numel)[lo:hi],
+                                                           key=key, step=t)) for r in range(WORLD)]
+            reply = reduce_pushes(pushes, servers[s], servers[s], torch.empty(hi - lo), key=key,
+                                  step=t, lr=None, divisor=WORLD, label=f"shard {s}")
+            out[lo:hi] = servers[s].decompress(reply)
         outs.append(out)
     return outs
 

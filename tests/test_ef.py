@@ -1,4 +1,4 @@
-"""Error feedback, Nesterov momentum and the server aggregator, for every registered codec.
+"""Error feedback, Nesterov momentum and the server's reduce, for every registered codec.
 
 Besides the registered codecs, a small lossy test codec (bf16 truncation, torch ops) is always
 included so the error-feedback arithmetic is exercised even when only ``none`` is registered.
@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from gradpress.compress import Codec, build, codec_names, read_header
+from gradpress.compress import Codec, EFSpec, build, codec_names, parse_ef, read_header
 from gradpress.compress.ef import ErrorFeedback
 from gradpress.compress.header import Header
 from gradpress.compress.momentum import NesterovMomentum
-from gradpress.compress.server import ServerAggregator
+from gradpress.compress.registry import ef_needs_lr
+from gradpress.ps.errors import PayloadError
+from gradpress.ps.server import reduce_pushes
 
 N = 1000
 KEY = 3
@@ -159,9 +161,15 @@ def test_annealed_ef_identity(spec, backend):
         ef.compress(grads(1)[0], key=KEY, step=5)
 
 
-def test_anneal_kinds_and_state():
-    from gradpress.compress.registry import check_ef, ef_needs_lr, server_ef
+def check_ef(value) -> str:
+    return str(parse_ef(value))
 
+
+def server_ef(value) -> str:
+    return str(parse_ef(value).for_server())
+
+
+def test_anneal_kinds_and_state():
     kind = check_ef(" Vanilla : decay = 0.8 , server_decay = 1, anneal = 1 ")
     assert kind == "vanilla:decay=0.8,server_decay=1.0,anneal=1"
     assert check_ef("vanilla:decay=0.8,anneal=0") == "vanilla:decay=0.8"
@@ -189,8 +197,6 @@ def test_anneal_kinds_and_state():
 
 
 def test_decay_one_is_vanilla_and_kinds_are_checked():
-    from gradpress.compress import check_ef
-
     a, b = make("onebit", ef="vanilla:decay=1"), make("onebit", ef="vanilla")
     for step, x in enumerate(grads(3)):
         assert torch.equal(a.compress(x, step=step), b.compress(x, step=step))
@@ -211,14 +217,12 @@ def test_decay_one_is_vanilla_and_kinds_are_checked():
 
 
 def test_server_decay_applies_to_servers_only():
-    from gradpress.compress.registry import check_ef, server_ef, split_ef
-
     kind = check_ef(" Vanilla : decay = 0.90 , server_decay = 1 ")
     assert kind == "vanilla:decay=0.9,server_decay=1.0"
-    assert split_ef(kind) == ("vanilla", 0.9) and server_ef(kind) == "vanilla:decay=1.0"
+    assert parse_ef(kind).factor == 0.9 and server_ef(kind) == "vanilla:decay=1.0"
     assert check_ef("vanilla:server_decay=0.5") == "vanilla:decay=1.0,server_decay=0.5"
     for same in ("vanilla", "vanilla:decay=0.9", "corrected", "sparse", None):
-        assert server_ef(same) == (None if same is None else check_ef(same))
+        assert server_ef(same) == check_ef(same)
     # a worker's residuals follow decay=B whatever server_decay says
     a, b = make("onebit", ef=kind), make("onebit", ef="vanilla:decay=0.9")
     for step, x in enumerate(grads(3)):
@@ -376,64 +380,100 @@ def test_loaded_state_before_first_compress_is_visible():
     assert torch.equal(ef.residual, r)
 
 
-# -- server aggregator --------------------------------------------------------------------------
+# -- EFSpec ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text", ["vanilla", "corrected", "sparse", "none", "vanilla:decay=0.9",
+                                  "vanilla:decay=1.0", "vanilla:decay=0.8,server_decay=1.0",
+                                  "vanilla:decay=0.8,server_decay=1.0,anneal=1",
+                                  "vanilla:decay=0.5,anneal=1"])
+def test_efspec_round_trips_through_its_text(text):
+    spec = parse_ef(text)
+    assert str(spec) == text and parse_ef(str(spec)) == spec and parse_ef(spec) is spec
+    if spec.enabled:  # the object and its text build the same codec
+        codec = "randomk:k=0.1" if spec.kind == "sparse" else "trunc16"
+        assert make(codec, ef=text).kind_text == make(codec, ef=spec).kind_text == text
+
+
+def test_efspec_fields_are_checked_and_none_means_off():
+    assert parse_ef(None) == parse_ef("none") == parse_ef(" None ") == EFSpec(kind="none")
+    assert not parse_ef(None).enabled and not parse_ef("none").needs_lr
+    assert EFSpec(kind="vanilla", decay=0.9) == parse_ef("vanilla:decay=0.9")
+    assert str(EFSpec(kind="vanilla", server_decay=1)) == "vanilla:decay=1.0,server_decay=1.0"
+    for bad, word in (({"kind": "fancy"}, "unknown ef 'fancy'"),
+                      ({"kind": "corrected", "decay": 0.5}, "takes no options"),
+                      ({"decay": 1.5}, "EFSpec.decay must be a number in \\[0, 1\\]"),
+                      ({"decay": 0.5, "anneal": 1}, "EFSpec.anneal must be a bool")):
+        with pytest.raises((ValueError, TypeError), match=word):
+            EFSpec(**bad)
+    with pytest.raises(TypeError, match="ef must be a str"):
+        parse_ef(0.9)
+    codec = build("onebit", N, ef=EFSpec(kind="vanilla", decay=0.5))
+    assert codec.kind_text == "vanilla:decay=0.5"
+    assert build("onebit", N, ef=EFSpec(kind="none")).residual is None
+    assert build("onebit:ef=vanilla", N, ef=EFSpec(kind="vanilla")).kind == "vanilla"
+    with pytest.raises(ValueError, match="ef given twice with different values"):
+        build("onebit:ef=vanilla", N, ef=EFSpec(kind="corrected"))
+
+
+# -- the server's reduce (gradpress.ps.server.reduce_pushes) ---------------------------------
+def _reduce(dec, enc, pushes, *, step=0, lr=None, divisor=1, acc=None):
+    acc = torch.full((dec.numel,), float("nan")) if acc is None else acc  # overwritten
+    return reduce_pushes([(f"worker{i}", p) for i, p in enumerate(pushes)], dec, enc, acc,
+                         key=KEY, step=step, lr=lr, divisor=divisor, label=f"key {KEY}")
+
+
 @pytest.mark.parametrize("spec", SPECS)
-def test_server_matches_codec_api_reference(spec):
+def test_reduce_matches_codec_api_reference(spec):
     workers = [make(spec, ef="vanilla") for _ in range(3)]
-    server = ServerAggregator(make(spec), make(spec, ef="vanilla"), num_workers=3)
+    dec, enc = make(spec), make(spec, ef="vanilla")
     ref_plain, ref_ef = make(spec), make(spec, ef="vanilla")
     for step in range(3):
         pushes = [w.compress(g, key=KEY, step=step, lr=0.5)
                   for w, g in zip(workers, grads(3, seed=step))]
-        for i, p in enumerate(pushes):
-            server.add(p, sender=f"worker{i}")
-        reply = server.finish()
-        ref = ref_plain.decompress(pushes[0])
-        for p in pushes[1:]:
+        reply = _reduce(dec, enc, pushes, step=step, lr=0.5, divisor=3)
+        ref = torch.zeros(N)
+        for p in pushes:
             ref_plain.decompress_add(p, ref)
         ref.div_(3)
         expected = ref_ef.compress(ref, key=KEY, step=step, lr=0.5)
         assert torch.equal(reply, expected)
         h = read_header(reply)
         assert (h.key, h.step, h.lr) == (KEY, step, 0.5)
+        assert torch.equal(enc.residual, ref_ef.residual)
 
 
-def test_server_sum_and_state_round_trip():
-    server = ServerAggregator(make("none"), make("trunc16", ef="vanilla"), 2, average=False)
-    enc, xs = make("none"), grads(2)
-    for i, x in enumerate(xs):
-        server.add(enc.compress(x, key=KEY), sender=f"w{i}")
-    reply = server.finish()
-    total = xs[0] + xs[1]
-    # the reply plus the server residual is exactly the (float32) sum
+def test_reduce_lossless_is_the_plain_sum_in_rank_order():
+    xs = [g * 1e3 ** i for i, g in enumerate(grads(4))]  # magnitudes where the order matters
+    enc = make("none")
+    pushes = [enc.compress(x, key=KEY) for x in xs]
+    for divisor in (1, 4):
+        reply = _reduce(make("none"), make("none"), pushes, divisor=divisor)
+        ref = sum(xs)  # Python's sum starts at 0, in rank order
+        ref = ref / divisor if divisor != 1 else ref
+        assert torch.equal(make("none").decompress(reply).view(torch.int32),
+                           ref.view(torch.int32))
+
+
+def test_reduce_sum_keeps_the_server_residual():
+    dec, enc = make("none"), make("trunc16", ef="vanilla")
+    xs = grads(2)
+    reply = _reduce(dec, enc, [make("none").compress(x, key=KEY) for x in xs])
     decoded = make("trunc16").decompress(reply)
-    torch.testing.assert_close(decoded + server.recompress.residual, total, rtol=0, atol=1e-6)
-    other = ServerAggregator(make("none"), make("trunc16", ef="vanilla"), 2, average=False)
-    other.load_state_dict(server.state_dict())
-    assert torch.equal(other.recompress.residual, server.recompress.residual)
-    with pytest.raises(ValueError, match="recompress"):
-        other.load_state_dict({})
+    # the reply plus the server residual is exactly the (float32) sum
+    torch.testing.assert_close(decoded + enc.residual, xs[0] + xs[1], rtol=0, atol=1e-6)
 
 
-def test_server_errors_name_sender_and_key():
-    def fresh():
-        return ServerAggregator(make("trunc16"), make("trunc16", ef="vanilla"), num_workers=3)
-
+def test_reduce_errors_name_sender_and_key():
     codec, x = make("trunc16"), grads(1)[0]
-    server = fresh()
-    server.add(codec.compress(x, key=KEY, step=4), sender="worker0")
-    server.add(codec.compress(x, key=KEY, step=4), sender="worker1")
-    with pytest.raises(RuntimeError, match="1 of 3 workers missing"):
-        server.finish()
-    with pytest.raises(ValueError, match="from worker2 key 3: step 5, expected 4"):
-        server.add(codec.compress(x, key=KEY, step=5), sender="worker2")
-    with pytest.raises(ValueError, match="from worker2 key 9: this round is for key 3"):
-        server.add(codec.compress(x, key=9, step=4), sender="worker2")
-    with pytest.raises(ValueError, match="worker1 already pushed"):
-        server.add(codec.compress(x, key=KEY, step=4), sender="worker1")
-    with pytest.raises(ValueError, match="from worker2 key 3: codec id 0"):
-        server.add(make("none").compress(x, key=KEY, step=4), sender="worker2")
-    with pytest.raises(RuntimeError, match="3 of 3 workers missing"):
-        fresh().finish()
-    with pytest.raises(ValueError, match="numel 1000"):
-        ServerAggregator(make("none", numel=10), make("none"), 2)
+    dec, enc = make("trunc16"), make("trunc16", ef="vanilla")
+    good = codec.compress(x, key=KEY, step=4)
+    for bad, word in ((codec.compress(x, key=KEY, step=5), "step 5, expected 4"),
+                      (codec.compress(x, key=9, step=4), "key 9, expected 3"),
+                      (make("none").compress(x, key=KEY, step=4), "codec id 0")):
+        with pytest.raises(PayloadError, match=f"key 3: push from worker1 rejected: .*{word}"):
+            _reduce(dec, enc, [good, bad], step=4)
+    nan = x.clone()
+    nan[7] = float("nan")
+    with pytest.raises(PayloadError, match="push from worker2 rejected: it has non-finite"):
+        _reduce(dec, enc, [good, good, TruncCodec(N, {}, nan_policy="allow").compress(
+            nan, key=KEY, step=4)], step=4)
+    assert not enc.residual.any()  # a rejected round leaves the server residual untouched

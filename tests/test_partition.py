@@ -103,7 +103,7 @@ def test_assign_balanced_rejects_bad_input() -> None:
 
 
 def test_resolve_codec_merges_call_spec_and_defaults() -> None:
-    from gradpress.ps.worker import resolve_codec
+    from gradpress.ps.calls import resolve_codec
 
     cfg = PSConfig(compression="onebit", ef="vanilla")
     spec, wrappers = resolve_codec(None, None, cfg)  # config defaults

@@ -6,10 +6,11 @@ References (computed inside each worker, for every worker's input, in rank order
   server's accumulator does), compared bit for bit; ``average=False`` drops the division.
 * ``onebit`` with error feedback on workers and server, per chunk ``c`` (key
   ``chunk_key(name, c)``) and step ``t``, with codecs built by ``gradpress.compress.build``:
-  ``p_w = enc_w.compress(x_w[c], key, t, lr)``; ``acc = 0; dec.decompress_add(p_w, acc)`` for w
-  in rank order; ``acc /= W``; ``reply = enc_server.compress(acc, key, t, lr)``;
-  ``dec.decompress(reply)``. Every worker's result must equal it bit for bit, and the replicas
-  must be identical.
+  ``p_w = enc_w.compress(x_w[c], key, t, lr)``; ``reply = reduce_pushes(p_0..p_W-1)`` (the
+  servers' own function: decode-accumulate in rank order, ``/ W``, recompress with the server
+  residual); ``dec.decompress(reply)``. Every worker's result must equal it bit for bit, and the
+  replicas must be identical. ``tests/test_ef.py`` checks ``reduce_pushes`` itself against the
+  plain summation.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ WORKER = textwrap.dedent('''
     import os, sys, threading
     import torch
     import gradpress as gp
-    from gradpress.compress import build
-    from gradpress.compress.registry import server_ef
+    from gradpress.compress import build, parse_ef
     from gradpress.ps.partition import chunk_key, chunk_layout
+    from gradpress.ps.server import reduce_pushes
 
     out_dir, modes = sys.argv[1], sys.argv[2].split(",")
     PART = int(os.environ["GRADPRESS_PARTITION_BYTES"])
@@ -86,15 +87,14 @@ WORKER = textwrap.dedent('''
             key = chunk_key(name, c.index)
             if (name, c.index) not in sim:
                 sim[(name, c.index)] = ([build("onebit", c.numel, ef=ef) for _ in range(W)],
-                                        build("onebit", c.numel, ef=server_ef(ef)),
+                                        build("onebit", c.numel, ef=parse_ef(ef).for_server()),
                                         build("onebit", c.numel))
             encs, server, dec = sim[(name, c.index)]
-            acc = torch.zeros(c.numel)
-            for w in range(W):
-                x = make(w, i, step, shape).reshape(-1)[c.offset:c.offset + c.numel]
-                dec.decompress_add(encs[w].compress(x, key=key, step=step, lr=lr), acc)
-            acc /= W
-            reply = server.compress(acc, key=key, step=step, lr=lr)
+            pushes = [(f"worker {w}", encs[w].compress(
+                make(w, i, step, shape).reshape(-1)[c.offset:c.offset + c.numel], key=key,
+                step=step, lr=lr)) for w in range(W)]
+            reply = reduce_pushes(pushes, dec, server, torch.empty(c.numel), key=key, step=step,
+                                  lr=lr, divisor=W, label=name)
             out[c.offset:c.offset + c.numel] = dec.decompress(reply)
         return out.view(shape)
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradpress.ps.calls import check_out
 from gradpress.ps.config import PSConfig
-from gradpress.ps.worker import check_out
 from test_push_pull import _check_replicas, _finish, _launch
 
 WORKER = textwrap.dedent('''

@@ -3,11 +3,12 @@
 Internal to :mod:`gradpress.ddp_hook` (steps 4 and 6 of
 :func:`~gradpress.ddp_hook.two_way_compression_hook`). Every payload a rank decodes comes from
 another process and is checked before use, with the parameter-server checks of
-:mod:`gradpress.ps.validate`; a bad one raises :class:`~gradpress.ps.errors.PayloadError` naming
+:mod:`gradpress.ps.protocol`; a bad one raises :class:`~gradpress.ps.errors.PayloadError` naming
 the sending rank, the bucket index and shard, and what was wrong:
 
-1. pushes a rank serves as the owner of a shard (step 4): codec header (magic, version, codec id,
-   numel, config fingerprint, size, the expected key and step) before each decode, then the codec's
+1. pushes a rank serves as the owner of a shard (step 4), by the parameter server's own
+   :func:`~gradpress.ps.server.reduce_pushes`: codec header (magic, version, codec id, numel,
+   config fingerprint, size, the expected key and step) before each decode, then the codec's
    own decode checks; the average must be finite, which the server codec's recompression checks
    (no extra pass): if it is not, the pushes are re-added in rank order to name the first sender
    whose push makes it so. An owner that rejects a push still takes part in the all-gather, with
@@ -27,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from .ps.errors import PayloadError
-from .ps.validate import add_push, check_sum, decode_reply, is_finite
+from .ps.protocol import decode_reply
+from .ps.server import reduce_pushes
 
 if TYPE_CHECKING:
     from .compress import Codec
 
-__all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "Job", "serve",
-           "finish"]
+__all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "BucketExchange",
+           "reduce_shard", "finish"]
 
 # An owner that rejected a push sends this instead of its aggregate: magic b"GX" (never a payload
 # header's b"GP"), 2 zero bytes, the rejected sender's rank (uint32, _NO_RANK when not one rank).
@@ -119,7 +121,7 @@ class BucketCodecs:
         self.server.load_state_dict(saved["server"])
 
 
-class Job:
+class BucketExchange:
     """A bucket whose payload exchange (step 3) is in flight."""
 
     def __init__(self, index: int, buffer: torch.Tensor, codecs: BucketCodecs, step: int,
@@ -135,40 +137,26 @@ class Job:
                 f"{bucket_key(self.index, shard, c.world)}, step {self.step})")
 
 
-def serve(job: Job, lr: float | None) -> None:
-    """Step 4: validate and decode-add every rank's push (rank order), average, recompress.
+def reduce_shard(ex: BucketExchange, lr: float | None) -> None:
+    """Step 4: the server side of this rank's shard, :func:`~gradpress.ps.server.reduce_pushes`
+    (validate and decode-add every rank's push in rank order, average, recompress into ``agg``).
 
     On a :class:`PayloadError` ``agg`` holds an abort record naming the rejected sender, to be
     all-gathered in place of the aggregate.
     """
-    c = job.codecs
-    key, label = bucket_key(job.index, c.rank, c.world), job.label(c.rank)
-    payloads = [c.payload(c.recv, src, c.rank) for src in range(c.world)]
+    c = ex.codecs
     senders = [f"rank {src}" for src in range(c.world)]
-    c.acc.zero_()
-    for src, p in enumerate(payloads):
-        try:  # header (key, step, codec, size) before the decode; the codec's own decode checks
-            add_push(c.server, p, c.acc, key=key, step=job.step, sender=senders[src],
-                     label=label)
-        except PayloadError:
-            _write_abort(c, src)
-            raise
-    c.acc.div_(c.world)
-    try:  # the server codec adds its residual, checks finiteness and recompresses
-        c.server.compress(c.acc, key=key, step=job.step, lr=lr,
-                          out=c.agg[:c.server.payload_bytes])
-    except ValueError:
-        if is_finite(c.acc):
-            raise  # not the pushes' fault (e.g. the residual overflowed)
-        try:  # error path only: name the first sender whose push makes the sum non-finite
-            check_sum(c.acc, c.server, payloads, senders, key=key, label=label)
-        except PayloadError as e:
-            _write_abort(c, senders.index(e.peer) if e.peer in senders else None)
-            raise
+    pushes = [(who, c.payload(c.recv, src, c.rank)) for src, who in enumerate(senders)]
+    try:
+        reduce_pushes(pushes, c.server, c.server, c.acc, key=bucket_key(ex.index, c.rank, c.world),
+                      step=ex.step, lr=lr, divisor=c.world, label=ex.label(c.rank),
+                      out=c.agg[:c.server.payload_bytes])
+    except PayloadError as e:
+        _write_abort(c, senders.index(e.peer) if e.peer in senders else None)
         raise
 
 
-def finish(job: Job) -> None:
+def finish(job: BucketExchange) -> None:
     """Step 6 (all-gather done): validate every shard's aggregate and decode it into the bucket
     buffer. On a :class:`PayloadError` the buffer is zeroed before it is raised."""
     c, buf = job.codecs, job.buffer
@@ -191,7 +179,7 @@ def _write_abort(c: BucketCodecs, culprit: int | None) -> None:
     c.agg[:_ABORT.size].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
-def _check_abort(job: Job, p: torch.Tensor, owner: int) -> None:
+def _check_abort(job: BucketExchange, p: torch.Tensor, owner: int) -> None:
     """Raise when the owner of this shard sent an abort record instead of its aggregate."""
     magic, culprit = _ABORT.unpack(bytes(p[:_ABORT.size].cpu().numpy()))
     if magic != _ABORT_MAGIC:

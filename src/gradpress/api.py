@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .compress.spec import CodecSpec
+from .compress.spec import CodecSpec, EFSpec
+from .ps.calls import Handle
 from .ps.cluster import Cluster
 from .ps.config import ClusterConfig, PSConfig, available_cores
 from .ps.errors import GradpressError, NotInitializedError
-from .ps.handle import Handle
 from .ps.hierarchy import HierarchicalEngine
 from .ps.server import ServerEngine, serve
 from .ps.trace import Tracer, trace_path
@@ -63,7 +63,7 @@ class _Runtime:
         if hosted:  # colocated: this worker also runs a server engine on threads
             self.server = ServerEngine(self.cluster, cfg, self.transport, hosted[0],
                                        tracer=self.tracer, on_error=self.worker.fail).start()
-        # a failure anywhere fails this engine; exit forced after `timeout` (reliability.md)
+        # a failure anywhere fails this engine; exit forced after `timeout` (docs/design.md)
         self.watchdog = Watchdog(self.cluster, interval=cfg.watchdog_interval,
                                  exit_within=cfg.timeout, on_failure=self.worker.fail,
                                  local_error=lambda: self.worker.error).start()
@@ -101,7 +101,7 @@ def _rt() -> _Runtime:
 
 
 def init(config: PSConfig | None = None, **overrides: Any) -> None:
-    """Join the job described by the environment (see ``docs/environment.md``).
+    """Join the job described by the environment (see docs/reference/environment.md).
 
     Args:
         config: runtime options; by default ``PSConfig.from_env(**overrides)``.
@@ -198,7 +198,7 @@ def worker_group() -> dist.ProcessGroup:
 
 
 def push_pull_async(tensor: torch.Tensor, name: str, average: bool = True,
-                    compression: Compression = None, ef: str | None = None, *,
+                    compression: Compression = None, ef: str | EFSpec | None = None, *,
                     lr: float | None = None, min_compress_bytes: int | None = None,
                     out: torch.Tensor | None = None) -> Handle:
     """Start summing ``tensor`` over all workers through the servers; see :func:`push_pull`.
@@ -209,7 +209,7 @@ def push_pull_async(tensor: torch.Tensor, name: str, average: bool = True,
 
 
 def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
-              compression: Compression = None, ef: str | None = None, *,
+              compression: Compression = None, ef: str | EFSpec | None = None, *,
               lr: float | None = None, min_compress_bytes: int | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum (or average) ``tensor`` over all workers; every worker gets identical values.
@@ -220,12 +220,12 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
         average: divide the sum by the number of workers (on the server).
         compression: codec spec (``"onebit"``, ``"topk:k=0.001"``, a BytePS-style dict);
             None uses ``GRADPRESS_COMPRESSION`` (default ``"none"``).
-        ef: error feedback (``"vanilla"``, ``"vanilla:decay=B"``,
-            ``"vanilla:decay=B,server_decay=S"``, ``"corrected"``, ``"sparse"``, ``"none"``);
-            None uses the spec's ``ef`` or ``GRADPRESS_EF``. Workers and servers each keep a
-            residual (``server_decay``: the servers' decays by ``S``, the workers' by ``B``;
-            ``",anneal=1"`` after them: the workers' decay rises from ``B`` towards 1 as ``lr``
-            falls).
+        ef: error feedback, an :class:`~gradpress.compress.EFSpec` or its text (``"vanilla"``,
+            ``"vanilla:decay=B"``, ``"vanilla:decay=B,server_decay=S"``, ``"corrected"``,
+            ``"sparse"``, ``"none"``); None uses the spec's ``ef`` or ``GRADPRESS_EF``. Workers
+            and servers each keep a residual (``server_decay``: the servers' decays by ``S``,
+            the workers' by ``B``; ``",anneal=1"`` after them: the workers' decay rises from
+            ``B`` towards 1 as ``lr`` falls).
         lr: learning rate of this step, carried to the servers; required with
             ``"corrected"`` and ``anneal=1``.
         min_compress_bytes: tensors smaller than this travel uncompressed (default from the
@@ -250,19 +250,19 @@ def barrier() -> None:
     dist.barrier(group=worker_group())
 
 
-# -- checkpoints (docs/checkpoints.md) ----------------------------------------------------------
+# -- checkpoints (docs/design.md) ---------------------------------------------------------------
 def worker_state_dict(names: set[str] | None = None) -> dict[str, Any]:
     """This worker's codec state per tensor name and chunk: error-feedback residuals, momentum
     buffers and step counters (CPU copies; ``names`` restricts the tensors). No push_pull may
     be in flight (call the optimizer's ``step()`` first)."""
-    return _rt().worker.state_dict(names)
+    return _rt().worker.checkpoint.state_dict(names)
 
 
 def load_worker_state_dict(state: Mapping[str, Any]) -> None:
     """Restore :func:`worker_state_dict` output (of the same rank). Tensors not pushed yet get
     their state at their first push_pull, which raises ValueError naming the tensor if its size,
     codec or chunking differ from the saved ones."""
-    _rt().worker.load_state_dict(dict(state))
+    _rt().worker.checkpoint.load_state_dict(dict(state))
 
 
 def save_server_state(directory: str) -> None:
@@ -272,14 +272,14 @@ def save_server_state(directory: str) -> None:
     returns when every server acknowledged (bounded by ``GRADPRESS_TIMEOUT``; an error names
     the server). The directory must be reachable under this path by the servers.
     """
-    _rt().worker.server_state("save", _abs_dir(directory))
+    _rt().worker.checkpoint.server_state("save", _abs_dir(directory))
 
 
 def load_server_state(directory: str) -> None:
     """Every server reads the ``server*.pt`` files of ``directory`` (written by
     :func:`save_server_state`) and restores its keys; keys not pushed yet get their state at
     their first push. Collective over the workers, like :func:`save_server_state`."""
-    _rt().worker.server_state("load", _abs_dir(directory))
+    _rt().worker.checkpoint.server_state("load", _abs_dir(directory))
 
 
 def _abs_dir(directory: str) -> str:

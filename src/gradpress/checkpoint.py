@@ -1,7 +1,7 @@
 """Exact checkpoints of a gradpress training job: model, optimizer, and the compression state
 of every worker and server (error-feedback residuals, momentum buffers, step counters), so a
-resumed run continues bit-identically (design brief §3: residuals are state; DeepSpeed resets
-them, we do not). Layout of a checkpoint directory::
+resumed run continues bit-identically (residuals are state: DeepSpeed resets them, we do not).
+Layout of a checkpoint directory::
 
     meta.json        format, step, world sizes, compression spec, save tag (written last)
     worker<r>.pt     per worker: its codec state, RNG state and ``extra``; worker 0 also holds
@@ -20,7 +20,7 @@ Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADP
         if step % 1000 == 999:
             gradpress.checkpoint.save("ckpt", model, opt, step + 1)
 
-See ``docs/checkpoints.md``.
+See docs/design.md (checkpoints).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from . import api
-from .ps.state import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
+from .ps.checkpointing import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
 from .torch.broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["save", "load", "extra", "resume_dir"]
@@ -80,7 +80,7 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
         blob["model"] = model.state_dict()
         blob["optimizer"] = _inner_state(optimizer)
     atomic_save(blob, worker_file(path, rank))  # step 2
-    rt.worker.server_state("save", str(path), tag)  # step 3
+    rt.worker.checkpoint.server_state("save", str(path), tag)  # step 3
     api.barrier()
     if api.local_rank() == 0:  # step 4
         lay = rt.cluster.layout
@@ -121,7 +121,7 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
     broadcast_optimizer_state(optimizer, root_rank=0)
     api.load_worker_state_dict(blob["engine"])  # step 3
     _set_rng_state(blob["rng"])
-    rt.worker.server_state("load", str(path), meta["tag"])  # step 4
+    rt.worker.checkpoint.server_state("load", str(path), meta["tag"])  # step 4
     return int(meta["step"])
 
 

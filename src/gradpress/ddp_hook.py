@@ -22,8 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ddp_buckets import BucketCodecs, Job, all_gather_async, bucket_key, finish, serve
-from .compress import Codec, build
+from ._ddp_buckets import (
+    BucketCodecs,
+    BucketExchange,
+    all_gather_async,
+    bucket_key,
+    finish,
+    reduce_shard,
+)
+from .compress import Codec, EFSpec, build
 from .ps.errors import GradpressError, PayloadError
 
 __all__ = ["TwoWayCompressionState", "two_way_compression_hook"]
@@ -46,8 +53,9 @@ class TwoWayCompressionState:
        compression rate: onebit sends ~1 bit/element; topk/randomk ``k`` is a fraction of each
        shard. Start with ``onebit`` or ``topk:k=0.01``; lower k only while accuracy holds.
        ``"none"`` sends fp32 (a reference that matches DDP's own allreduce).
-    2. ``ef`` (default ``"vanilla"``) is the error feedback on both sides (``None``,
-       ``"vanilla"``, ``"corrected"`` which needs ``lr``, ``"sparse"`` for randomk). Keep it on
+    2. ``ef`` (default ``"vanilla"``) is the error feedback on both sides, an
+       :class:`~gradpress.compress.EFSpec` or its text (``None``, ``"vanilla"``,
+       ``"corrected"`` which needs ``lr``, ``"sparse"`` for randomk). Keep it on
        for biased codecs (onebit, topk): without it they usually lose accuracy. It costs one fp32
        copy of the gradients (plus a scratch) on every rank, and 1/world_size of that on the
        server side.
@@ -77,7 +85,7 @@ class TwoWayCompressionState:
                  "_start_compress_iter", "_seed", "_overlap", "iter", "_buckets", "_steps",
                  "_loaded", "_inflight", "_stats", "_error")
 
-    def __init__(self, spec: str = "onebit", ef: str | None = "vanilla", *,
+    def __init__(self, spec: str = "onebit", ef: str | EFSpec | None = "vanilla", *,
                  min_compress_bytes: int = 1 << 20, start_compress_iter: int = 0, seed: int = 0,
                  overlap: bool = True, lr: float | None = None, process_group: Any = None) -> None:
         if not isinstance(spec, str):
@@ -101,7 +109,7 @@ class TwoWayCompressionState:
         self._buckets: dict[int, BucketCodecs] = {}
         self._steps: dict[int, int] = {}
         self._loaded: dict[int, Mapping[str, Any]] = {}
-        self._inflight: Job | None = None
+        self._inflight: BucketExchange | None = None
         self._error: BaseException | None = None  # set by a failure; the hook then refuses
         self._stats = dict.fromkeys(("compressed_buckets", "allreduced_buckets", "dense_bytes",
                                      "payload_bytes", "allreduce_bytes"), 0)
@@ -228,7 +236,7 @@ class TwoWayCompressionState:
                                        lr=self.lr, out=codecs.payload(codecs.send, s, s))
         # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
         work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
-        self._inflight = Job(index, buf, codecs, step, group, work)
+        self._inflight = BucketExchange(index, buf, codecs, step, group, work)
         self._stats["compressed_buckets"] += 1
         self._stats["dense_bytes"] += buf.numel() * 4
         self._stats["payload_bytes"] += codecs.send.numel() + codecs.slot
@@ -242,7 +250,7 @@ class TwoWayCompressionState:
         try:
             job.work.wait()
             try:
-                serve(job, self.lr)
+                reduce_shard(job, self.lr)
             except PayloadError:
                 self._abort(job)
                 raise
@@ -253,9 +261,10 @@ class TwoWayCompressionState:
             job.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
             raise
 
-    def _abort(self, job: Job) -> None:
-        """A push was rejected: zero the bucket and all-gather the abort record ``serve`` left in
-        ``agg``, so the other ranks (waiting in this all-gather) fail now, naming the sender."""
+    def _abort(self, job: BucketExchange) -> None:
+        """A push was rejected: zero the bucket and all-gather the abort record that
+        ``reduce_shard`` left in ``agg``, so the other ranks (waiting in this all-gather) fail
+        now, naming the sender."""
         job.buffer.zero_()
         try:
             all_gather_async(job.codecs.gathered, job.codecs.agg, job.group).wait()
@@ -263,7 +272,7 @@ class TwoWayCompressionState:
             log.warning("gradpress DDP hook: bucket %d: sending the abort record failed: %s",
                         job.index, e)
 
-    def _gathered(self, job: Job, fut: torch.futures.Future) -> None:
+    def _gathered(self, job: BucketExchange, fut: torch.futures.Future) -> None:
         """Step 6, on the communication thread when the all-gather completes."""
         try:
             fut.wait()  # re-raises a failed all-gather

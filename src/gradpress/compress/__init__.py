@@ -3,13 +3,15 @@
 
 Families: ``none``/``fp16``/``bf16`` (:mod:`.cast`), ``onebit`` (:mod:`.onebit`),
 ``topk``/``randomk`` (:mod:`.sparse`), ``dithering`` (:mod:`.dithering`); error feedback
-(:mod:`.ef`) and Nesterov momentum (:mod:`.momentum`) wrap any of them.
+(:mod:`.ef`, configured by an :class:`EFSpec`) and Nesterov momentum (:mod:`.momentum`) wrap
+any of them.
 """
 
-from .base import Codec
+from .base import Codec, CodecWrapper
 from .header import HEADER_BYTES, Header, read_header
-from .registry import EF_KINDS, MOMENTUM_KINDS, build, check_ef, codec_class, codec_names
-from .spec import CodecSpec, parse_spec
+from .registry import MOMENTUM_KINDS, build, codec_class, codec_names
+from .spec import EF_KINDS, CodecSpec, EFSpec, parse_ef, parse_spec
 
-__all__ = ["Codec", "HEADER_BYTES", "Header", "read_header", "build", "codec_class",
-           "codec_names", "CodecSpec", "parse_spec", "EF_KINDS", "MOMENTUM_KINDS", "check_ef"]
+__all__ = ["Codec", "CodecWrapper", "HEADER_BYTES", "Header", "read_header", "build",
+           "codec_class", "codec_names", "CodecSpec", "parse_spec", "EFSpec", "parse_ef",
+           "EF_KINDS", "MOMENTUM_KINDS"]

@@ -20,11 +20,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from .base import Codec
+from .base import Codec, register
 from .header import Header
 from .kernels import cast as K
 from .kernels.common import MODE_P, all_finite, ef_args
-from .registry import register
 
 __all__ = ["NoneCodec", "Fp16Codec", "Bf16Codec"]
 

@@ -52,12 +52,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Codec
+from .base import Codec, register
 from .cast import _require_cpu
 from .header import Header
 from .kernels import dithering as K
 from .kernels.common import MODE_P, ef_args
-from .registry import register
 from .spec import Param, choice, parse_int
 
 __all__ = ["Dithering", "stream_keys"]

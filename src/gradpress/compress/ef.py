@@ -1,7 +1,7 @@
 """Error feedback: a stateful wrapper that makes any codec's compression error a residual
 added back into the next step's input.
 
-Kinds (design brief §3):
+Kinds (:class:`~gradpress.compress.spec.EFSpec`; how to choose: docs/guide.md):
 
 * ``vanilla`` (Seide et al. 2014, "1-bit SGD"; Karimireddy et al. 2019, "Error Feedback Fixes
   SignSGD"): p = x + e; c = C(p); e = p - D(c).
@@ -11,14 +11,13 @@ Kinds (design brief §3):
 * ``vanilla:decay=B`` (B in [0, 1]): p = x + B * e; then as vanilla. The part of ``x`` not
   delivered yet ages by ``B`` per step instead of being kept until it is sent; with ``B`` the
   momentum coefficient of a compressed momentum (1-bit Adam / 1-bit LANS), the residual ages as
-  the momentum does (``docs/convergence.md``, section 2.7). ``B = 1`` is vanilla.
+  the momentum does. ``B = 1`` is vanilla.
   ``vanilla:decay=B,server_decay=S``: workers use ``B``, the servers' codecs ``S``
-  (:func:`.registry.server_ef`); with 1-bit LANS, ``B = 0.9`` and ``S = 1`` did better than
-  0.9 on both sides (``docs/convergence.md``, section 2.10).
+  (:meth:`~gradpress.compress.spec.EFSpec.for_server`).
   ``vanilla:decay=B,anneal=1`` (workers only; ``lr`` required): the part lost per step shrinks
   with the learning rate, ``p = x + B_t * e`` with ``B_t = 1 - (1 - B) * lr / lr_max`` and
   ``lr_max`` the highest lr this residual's pushes have carried: ``B`` at the peak of a
-  schedule, 1 (vanilla) as the lr reaches 0 (``docs/convergence.md``, section 2.15).
+  schedule, 1 (vanilla) as the lr reaches 0.
 * ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
   draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
 
@@ -43,90 +42,11 @@ from typing import Any
 
 import torch
 
-from .base import Codec
-from .header import HEADER_BYTES, Header, pack_header
-from .kernels.common import ef_args, fill_p
-from .registry import check_ef, ef_needs_lr, split_ef
+from .base import Codec, CodecWrapper, check_state_keys
+from .header import HEADER_BYTES, Header
+from .spec import EFSpec, parse_ef
 
-__all__ = ["CodecWrapper", "ErrorFeedback"]
-
-
-class CodecWrapper(Codec):
-    """Base of stateful wrappers: same wire identity as ``inner`` (name, codec id, numel,
-    payload size, fingerprint, spec text); decoding and header checks are delegated to it."""
-
-    def __init__(self, inner: Codec) -> None:  # noqa: D107 - Codec.__init__ is not called
-        if not isinstance(inner, Codec):
-            raise TypeError(f"{type(self).__name__} wraps a Codec, got {type(inner).__name__}")
-        self.inner = inner
-        for attr in ("numel", "params", "seed", "nan_policy", "backend", "spec_text",
-                     "fingerprint", "payload_bytes"):
-            setattr(self, attr, getattr(inner, attr))
-
-    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
-    codec_id = property(lambda self: self.inner.codec_id)  # type: ignore[assignment]
-    checks_finite = property(lambda self: self.inner.checks_finite)  # type: ignore[assignment]
-
-    # the codec hooks are the inner codec's (stateless) ones
-    def _body_bytes(self) -> int:
-        return self.inner._body_bytes()
-
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
-        self.inner._encode(x, body, key, step)
-
-    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
-        self.inner._decode(body, out, h)
-
-    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
-        self.inner._decode_add(body, acc, alpha, h)
-
-    def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,
-                   key: int | None = None, step: int | None = None) -> torch.Tensor:
-        """Decode with the inner codec (decoding is stateless)."""
-        return self.inner.decompress(payload, out=out, key=key, step=step)
-
-    def decompress_add(self, payload: torch.Tensor, acc: torch.Tensor, *, alpha: float = 1.0,
-                       key: int | None = None, step: int | None = None) -> Header:
-        """``acc += alpha * decompress(payload)``, by the inner codec."""
-        return self.inner.decompress_add(payload, acc, alpha=alpha, key=key, step=step)
-
-    def check_header(self, payload: torch.Tensor, *, key: int | None = None,
-                     step: int | None = None, sender: str | None = None) -> Header:
-        """Validate ``payload`` against the inner codec."""
-        return self.inner.check_header(payload, key=key, step=step, sender=sender)
-
-    def use_torch(self, device: torch.device) -> bool:
-        return self.inner.use_torch(device)
-
-    def _start_payload(self, out: torch.Tensor | None, device: torch.device, key: int,
-                       step: int, lr: float | None) -> tuple[torch.Tensor, Header]:
-        """The output payload with its header written; returns (payload, header)."""
-        payload = self._out_payload(out, device)
-        h = Header(self.codec_id, int(key), self.numel, int(step), lr, self.fingerprint)
-        pack_header(payload, h)
-        return payload, h
-
-    def _state_tensor(self, state: Mapping[str, Any], name: str) -> torch.Tensor | None:
-        """Validate a saved float tensor of ``numel`` elements (or None); returns float32 CPU."""
-        t = state[name]
-        if t is None:
-            return None
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{type(self).__name__} state {name!r}: expected a float tensor or "
-                             f"None, got {type(t).__name__}")
-        if t.numel() != self.numel:
-            raise ValueError(f"{type(self).__name__} state {name!r}: shape {tuple(t.shape)}, "
-                             f"expected ({self.numel},) for {self.spec_text}")
-        return t.detach().reshape(-1).to("cpu", torch.float32).clone()
-
-
-def _check_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> None:
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{owner}.load_state_dict expects a mapping, got {type(state).__name__}")
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(f"{owner}.load_state_dict: state keys do not match; missing {missing}, "
-                         f"unexpected {extra}, expected {sorted(expected)}")
+__all__ = ["ErrorFeedback"]
 
 
 def _positive_or_none(state: Mapping[str, Any], key: str) -> float | None:
@@ -142,24 +62,27 @@ class ErrorFeedback(CodecWrapper):
 
     Args:
         codec: the codec whose compression error is fed back.
-        kind: ``"vanilla"``, ``"vanilla:decay=B"`` (with ``",server_decay=S"``: ``B``
-            here, on a worker; with ``",anneal=1"`` ``compress`` needs ``lr``),
-            ``"corrected"`` (``compress`` needs ``lr``) or ``"sparse"`` (only for codecs that
-            draw their indices from (seed, key, step), i.e. ``randomk``).
+        kind: an :class:`~gradpress.compress.spec.EFSpec` or its text (:func:`parse_ef`):
+            ``"vanilla"``, ``"vanilla:decay=B"`` (with ``",server_decay=S"``: ``B`` here, on a
+            worker; with ``",anneal=1"`` ``compress`` needs ``lr``), ``"corrected"``
+            (``compress`` needs ``lr``) or ``"sparse"`` (only for codecs that draw their indices
+            from (seed, key, step), i.e. ``randomk``).
     """
 
-    def __init__(self, codec: Codec, *, kind: str = "vanilla") -> None:
+    def __init__(self, codec: Codec, *, kind: str | EFSpec = "vanilla") -> None:
         super().__init__(codec)
         if isinstance(codec, ErrorFeedback):
             raise TypeError(f"codec {codec.spec_text!r} already has error feedback "
                             f"({codec.kind}); wrap the plain codec")
-        self.kind_text = check_ef(kind)  # ValueError listing the valid kinds
-        kind, self.decay = split_ef(self.kind_text)
-        if kind == "sparse" and not callable(getattr(codec, "indices", None)):
+        self.ef = parse_ef(kind)  # ValueError listing the valid kinds
+        if not self.ef.enabled:
+            raise ValueError(f"ErrorFeedback needs an error-feedback kind, got {kind!r}; "
+                             f"use the plain codec for none")
+        self.kind_text = str(self.ef)
+        self.kind, self.decay, self.anneal = self.ef.kind, self.ef.factor, self.ef.anneal
+        if self.kind == "sparse" and not callable(getattr(codec, "indices", None)):
             raise ValueError(f"ef='sparse' needs a codec that draws its indices from (seed, key, "
                              f"step) (randomk); codec {codec.name!r} does not")
-        self.kind = kind
-        self.anneal = kind == "vanilla" and ef_needs_lr(self.kind_text)
         self.lr_prev: float | None = None
         self.lr_max: float | None = None  # anneal: the highest lr seen
         self._e: torch.Tensor | None = None       # the residual
@@ -244,6 +167,7 @@ class ErrorFeedback(CodecWrapper):
         the arithmetic of :func:`~gradpress.compress.kernels.common.fill_p` and of every fused
         error-feedback kernel (numba on CPU, the same float32 operations as torch ops elsewhere)."""
         if flat.device.type == "cpu" and not self.inner.use_torch(flat.device):
+            from .kernels.common import ef_args, fill_p  # numba, loaded with the first codec
             r, mode = ef_args(ratio)
             fill_p(flat.numpy(), e.numpy(), r, mode, p.numpy(), False)
         elif ratio == 1.0:
@@ -295,7 +219,7 @@ class ErrorFeedback(CodecWrapper):
         if isinstance(state, Mapping) and "kind" in state and state["kind"] != self.kind_text:
             raise ValueError(f"ErrorFeedback.load_state_dict: state is for kind "
                              f"{state['kind']!r}, this codec has kind {self.kind_text!r}")
-        _check_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"}
+        check_state_keys("ErrorFeedback", state, {"kind", "residual", "lr_prev", "inner"}
                     | ({"lr_max"} if self.anneal else set()))
         lrs = {k: _positive_or_none(state, k) for k in ("lr_prev", "lr_max") if k in state}
         r = self._state_tensor(state, "residual")

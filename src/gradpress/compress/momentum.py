@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from .base import Codec
-from .ef import CodecWrapper, _check_keys
+from .base import Codec, CodecWrapper, check_state_keys
 
 __all__ = ["NesterovMomentum"]
 
@@ -95,7 +94,7 @@ class NesterovMomentum(CodecWrapper):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output; ValueError naming any mismatching key or shape."""
-        _check_keys("NesterovMomentum", state, {"momentum", "mu", "inner"})
+        check_state_keys("NesterovMomentum", state, {"momentum", "mu", "inner"})
         if state["mu"] != self.mu:
             raise ValueError(f"NesterovMomentum.load_state_dict: state has mu={state['mu']!r}, "
                              f"this codec has mu={self.mu}")

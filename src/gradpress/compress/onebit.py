@@ -25,12 +25,11 @@ import math
 import numpy as np
 import torch
 
-from .base import Codec
+from .base import Codec, register
 from .cast import _require_cpu
 from .header import Header
 from .kernels import onebit as K
 from .kernels.common import MODE_P, ef_args
-from .registry import register
 from .spec import Param, parse_bool
 
 __all__ = ["OneBitCodec"]

@@ -51,12 +51,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Codec
+from .base import Codec, register
 from .cast import _require_cpu
 from .header import Header
 from .kernels import sparse as K
 from .kernels.common import ef_args, fill_p, p_all_finite
-from .registry import register
 from .spec import Param, choice, parse_int, parse_k
 
 __all__ = ["TopK", "RandomK", "resolve_k", "pack_indices_torch", "unpack_indices_torch"]

@@ -5,16 +5,22 @@ A spec names a codec and its parameters: ``name[:key=value,...]``, e.g. ``onebit
 BytePS-style dicts are accepted too: ``{"compressor": "topk", "k": 0.001, "ef": "vanilla",
 "momentum": "nesterov", "scaling": True, "seed": 7}``; the keys ``ef``, ``momentum`` and ``mu``
 describe the stateful wrappers and are returned apart from the codec parameters.
+
+Error feedback is a value too, :class:`EFSpec`, written ``kind[:option=value,...]``
+(``"vanilla"``, ``"vanilla:decay=0.9,server_decay=1"``, ``"corrected"``, ...) and parsed by
+:func:`parse_ef` only.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Param", "CodecSpec", "parse_spec", "parse_bool", "parse_k", "choice"]
+__all__ = ["Param", "CodecSpec", "parse_spec", "parse_bool", "parse_k", "choice", "EFSpec",
+           "parse_ef", "EF_KINDS"]
 
 WRAPPER_KEYS = ("ef", "momentum", "mu")
 
@@ -144,3 +150,120 @@ def _parse_dict(d: Mapping[str, Any]) -> CodecSpec:
             continue
         (wrappers if key in WRAPPER_KEYS else params)[key] = value
     return CodecSpec(str(name).strip().lower(), params, wrappers)
+
+
+#: The error-feedback kinds (besides ``"none"``); see :class:`EFSpec`.
+EF_KINDS = ("vanilla", "corrected", "sparse")
+_NO_EF = ("none", "")
+_EF_HELP = ("valid: vanilla, corrected, sparse, 'vanilla:decay=B' with B in [0, 1] (optionally "
+            "',server_decay=S', S in [0, 1], and ',anneal=1'), or None")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EFSpec:
+    """Error feedback as a value: what a codec's residual does (see :mod:`gradpress.compress.ef`
+    and docs/guide.md). ``str(spec)`` is its canonical text, which :func:`parse_ef` reads back.
+
+    Build one with :func:`parse_ef` (``parse_ef("vanilla:decay=0.9")``) or directly
+    (``EFSpec(kind="vanilla", decay=0.9)``); every ``ef=`` argument takes either.
+    """
+
+    #: ``"vanilla"`` (the residual is added to the next input), ``"corrected"`` (the residual
+    #: is rescaled by ``lr_prev / lr``; pushes carry the lr), ``"sparse"`` (randomk only: the
+    #: residual is read and cleared at the sent indices only) or ``"none"``.
+    kind: str = "vanilla"
+    #: vanilla only: the residual is multiplied by ``decay`` in [0, 1] before it is added.
+    #: None (default) keeps it whole and writes the plain kind; 1.0 acts the same but is
+    #: written ``vanilla:decay=1.0``.
+    decay: float | None = None
+    #: vanilla only: the servers' decay instead of ``decay`` (None: the same as the workers').
+    server_decay: float | None = None
+    #: vanilla with ``decay`` < 1 only: the workers' decay rises from ``decay`` towards 1 as
+    #: the lr falls below its highest value (pushes carry the lr).
+    anneal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in EF_KINDS + ("none",):
+            raise ValueError(f"unknown ef {self.kind!r}; {_EF_HELP}")
+        opts = {"decay": self.decay, "server_decay": self.server_decay}
+        given = {k: v for k, v in opts.items() if v is not None}
+        if (given or self.anneal) and self.kind != "vanilla":
+            raise ValueError(f"ef kind {self.kind!r} takes no options, got "
+                             f"{dict(given, anneal=self.anneal)}; {_EF_HELP}")
+        for name, v in given.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"EFSpec.{name} must be a number in [0, 1] or None, got {v!r}")
+            object.__setattr__(self, name, float(v))
+        if not isinstance(self.anneal, bool):
+            raise TypeError(f"EFSpec.anneal must be a bool, got {self.anneal!r}")
+        if (self.server_decay is not None or self.anneal) and self.decay is None:
+            object.__setattr__(self, "decay", 1.0)
+        if self.anneal and self.decay == 1.0:
+            raise ValueError(f"ef {str(self)!r}: anneal=1 moves a decay B < 1 towards 1 as the "
+                             f"lr falls; give 'decay=B' with B < 1 (B = 1 has nothing to anneal)")
+
+    def __str__(self) -> str:
+        if self.decay is None:
+            return self.kind
+        text = f"vanilla:decay={self.decay!r}"
+        if self.server_decay is not None:
+            text += f",server_decay={self.server_decay!r}"
+        return text + (",anneal=1" if self.anneal else "")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is error feedback at all (kind is not ``"none"``)."""
+        return self.kind != "none"
+
+    @property
+    def needs_lr(self) -> bool:
+        """Whether pushes must carry the step's learning rate: ``corrected`` (residuals
+        rescaled by its change) and ``anneal`` (the decay follows it)."""
+        return self.kind == "corrected" or self.anneal
+
+    @property
+    def factor(self) -> float:
+        """The residual's fixed decay per step (1.0 unless ``decay`` is given)."""
+        return 1.0 if self.decay is None else self.decay
+
+    def for_server(self) -> EFSpec:
+        """What a server's codec uses: ``server_decay`` as its decay when given, and no
+        ``anneal`` (a server's replies carry no lr, so it keeps its decay fixed)."""
+        if self.server_decay is not None:
+            return EFSpec(kind=self.kind, decay=self.server_decay)
+        return EFSpec(kind=self.kind, decay=self.decay)
+
+
+def parse_ef(value: str | EFSpec | None) -> EFSpec:
+    """The :class:`EFSpec` of ``value``: an EFSpec, None or ``"none"`` (no error feedback), or
+    a text ``kind[:option=value,...]`` (case and spaces ignored), e.g. ``"vanilla"``,
+    ``"vanilla:decay=0.9"``, ``"vanilla:decay=0.8,server_decay=1,anneal=1"``; ValueError naming
+    the value otherwise."""
+    if isinstance(value, EFSpec):
+        return value
+    if value is None:
+        return EFSpec(kind="none")
+    if not isinstance(value, str):
+        raise TypeError(f"ef must be a str like 'vanilla', an EFSpec or None, "
+                        f"got {type(value).__name__}")
+    text = value.strip().lower().replace(" ", "")
+    kind, sep, rest = text.partition(":")
+    if not sep:
+        if kind in _NO_EF:
+            return EFSpec(kind="none")
+        if kind not in EF_KINDS:
+            raise ValueError(f"unknown ef {value!r}; valid: {', '.join(EF_KINDS)}, or None")
+        return EFSpec(kind=kind)
+    opts: dict[str, float] = {}
+    for item in rest.split(","):
+        key, eq, num = item.partition("=")
+        try:
+            b = float(num) if kind == "vanilla" and eq and key not in opts else math.nan
+        except ValueError:
+            b = math.nan
+        ok = b in (0.0, 1.0) if key == "anneal" else 0.0 <= b <= 1.0
+        if key not in ("decay", "server_decay", "anneal") or not ok:
+            raise ValueError(f"unknown ef {value!r}; {_EF_HELP}")
+        opts[key] = b
+    return EFSpec(kind="vanilla", decay=opts.get("decay", 1.0),
+                  server_decay=opts.get("server_decay"), anneal=bool(opts.get("anneal")))

@@ -1,6 +1,19 @@
-"""The parameter-server runtime: cluster rendezvous, partitioning, transport, worker pipeline
-and server engine. The public entry points are in :mod:`gradpress.api` (``gradpress.init``,
-``gradpress.push_pull``, ...) and :mod:`gradpress.launch` (``gradpress launch``)."""
+"""The parameter-server runtime. The public entry points are in :mod:`gradpress.api`
+(``gradpress.init``, ``gradpress.push_pull``, ...) and :mod:`gradpress.launch`
+(``gradpress launch``). The modules, in the order a ``push_pull`` meets them:
+
+* :mod:`.calls`: the call's arguments checked, its plan and chunks, the handle it returns;
+* :mod:`.partition`: tensors cut into chunks (keys) and spread over the servers;
+* :mod:`.worker`: the worker pipeline (compress, push, pull, decompress);
+* :mod:`.transport`: point-to-point messages, payload buffers and the in-flight budget;
+* :mod:`.protocol`: control messages, key descriptors, state requests, and the checks of
+  everything a process receives;
+* :mod:`.server`: the server engine and :func:`~.server.reduce_pushes`, the server arithmetic;
+* :mod:`.checkpointing`: worker and server codec state, saved and restored exactly;
+* :mod:`.hierarchy`: the optional reduce/broadcast within a node;
+* :mod:`.cluster`, :mod:`.auth`, :mod:`.config`, :mod:`.watchdog`, :mod:`.trace`,
+  :mod:`.errors`: joining the job, its options, failure detection, traces and exceptions.
+"""
 
 from .config import ClusterConfig, PSConfig
 from .errors import (

@@ -3,7 +3,7 @@
 
 Both are frozen, keyword-only dataclasses validated on construction. ``GRADPRESS_*`` environment
 variables only fill defaults: ``PSConfig.from_env(timeout=10)`` reads the environment for every
-field not given explicitly. The variables are listed in ``docs/environment.md``.
+field not given explicitly. The variables are listed in docs/reference/environment.md.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..compress.spec import EFSpec, parse_ef
 
 __all__ = ["PSConfig", "ClusterConfig", "ROLES", "COMPRESS_ON", "available_cores"]
 
@@ -58,7 +60,7 @@ def _parser(tp: Any) -> Callable[[str, str], Any]:
     table: dict[Any, Callable[[str, str], Any]] = {
         "int": lambda n, t: int(t), "float": lambda n, t: float(t), "str": lambda n, t: t,
         "bool": _parse_bool, "str | None": _parse_optional_str,
-        "int | None": _parse_optional_int,
+        "int | None": _parse_optional_int, "str | EFSpec | None": _parse_optional_str,
     }
     return table[tp]
 
@@ -110,17 +112,17 @@ class PSConfig:
     min_compress_bytes: int = 1 << 20
     #: Default codec spec of ``push_pull`` when the call gives none (e.g. ``"onebit"``).
     compression: str = "none"
-    #: Default error feedback of ``push_pull`` (``vanilla``, ``vanilla:decay=B``,
-    #: ``vanilla:decay=B,server_decay=S``, with ``,anneal=1`` appended, ``corrected``,
-    #: ``sparse``) or None.
-    ef: str | None = None
+    #: Default error feedback of ``push_pull``: an :class:`~gradpress.compress.EFSpec` or its
+    #: text (``vanilla``, ``vanilla:decay=B``, ``vanilla:decay=B,server_decay=S``, with
+    #: ``,anneal=1`` appended, ``corrected``, ``sparse``), or None.
+    ef: str | EFSpec | None = None
     #: Seconds any wait inside an operation may last before it raises (gloo closes the link).
     timeout: float = 300.0
     #: Seconds a server waits for a worker's next message between operations; 0 = no limit
     #: (a crashed worker still ends the wait at once: its connection closes).
     idle_timeout: float = 0.0
     #: Seconds between the failure watchdog's polls of the store; 0 disables it. A failure
-    #: any process records reaches every process within this; see docs/reliability.md.
+    #: any process records reaches every process within this; see docs/design.md.
     watchdog_interval: float = 1.0
     #: Where a worker compresses a tensor: ``"host"`` (numba kernels on CPU; a GPU tensor is
     #: copied to pinned host memory chunk by chunk) or ``"device"`` (the codecs' torch-op
@@ -144,7 +146,7 @@ class PSConfig:
     #: and pulls, then broadcast within the node. Must be the same in every process.
     hierarchical: bool = False
     #: Checkpoint directory whose server state the server engines load when they start (set
-    #: by ``gradpress launch --resume DIR``; see ``docs/checkpoints.md``).
+    #: by ``gradpress launch --resume DIR``; see docs/design.md).
     resume: str | None = None
 
     def __post_init__(self) -> None:
@@ -161,8 +163,10 @@ class PSConfig:
         if not isinstance(self.compression, str) or not self.compression.strip():
             raise ValueError(f"PSConfig.compression must be a codec spec string such as 'none' "
                              f"or 'onebit', got {self.compression!r}")
-        if self.ef is not None and not isinstance(self.ef, str):
-            raise ValueError(f"PSConfig.ef must be None or a string, got {self.ef!r}")
+        try:
+            parse_ef(self.ef)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"PSConfig.ef={self.ef!r} is invalid: {e}") from None
         if self.compress_on not in COMPRESS_ON:
             raise ValueError(f"PSConfig.compress_on must be one of {', '.join(COMPRESS_ON)}, "
                              f"got {self.compress_on!r}")

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .calls import Handle, check_out, flat_fp32
 from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError
-from .handle import Handle
-from .worker import WorkerEngine, check_out, flat_fp32
+from .worker import WorkerEngine
 
 __all__ = ["HierarchicalEngine"]
 

@@ -1,6 +1,9 @@
-"""The server engine: per key, sum the workers' pushes, add the server residual, re-compress
-and send the same bytes to every worker (the two-way compression of BytePS-Compress, Zhong et
-al. 2021, section 3).
+"""The server: per key, sum the workers' pushes, add the server residual, re-compress and send
+the same bytes to every worker (the two-way compression of BytePS-Compress, Zhong et al. 2021).
+
+:func:`reduce_pushes` is the server's arithmetic, the one implementation shared by the
+parameter server below and the DDP hook (:mod:`gradpress.ddp_hook`, whose ranks each serve a
+shard).
 
 Per key and step:
 
@@ -10,14 +13,16 @@ Per key and step:
    in, and holds receive buffers only for pushes in flight).
 2. When all workers announced the step, the key goes to the engine thread that owns it (keys
    are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`).
-3. The engine thread waits for the payloads *in worker rank order* and decode-accumulates them
-   into ``acc`` (``acc = 0; acc += D(p_w)`` for w = 0..W-1), so results do not depend on arrival
-   order; with ``average`` it then divides: ``acc /= W``.
-4. It compresses ``acc`` with the key's server codec, which carries the server's error-feedback
-   residual (``ef`` of the key's spec; the learning rate pushed with the step is passed on for
-   corrected error feedback), into one of two reply buffers (step parity), after waiting for the
-   sends that used that buffer two steps ago: double buffering, so a step never overwrites
-   bytes still in flight.
+3. The engine thread waits until the sends that used this step's reply buffer two steps ago
+   have left (two reply buffers by step parity: double buffering, so a step never overwrites
+   bytes still in flight), then runs :func:`reduce_pushes`: it waits for the payloads *in worker
+   rank order* and decode-accumulates them into ``acc`` (``acc = 0; acc += D(p_w)`` for
+   w = 0..W-1), so results do not depend on arrival order; with ``average`` it then divides:
+   ``acc /= W``.
+4. :func:`reduce_pushes` compresses ``acc`` with the key's server codec, which carries the
+   server's error-feedback residual (``ef`` of the key's spec, with its ``server_decay``; the
+   learning rate pushed with the step is passed on for corrected error feedback), into the
+   reply buffer.
 5. It sends the same reply bytes to every worker, so all replicas decode identical gradients.
 
 Run as ``python -m gradpress.ps.server`` by the launcher; colocated jobs run the engine as threads
@@ -32,55 +37,111 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..compress import build
-from ..compress.registry import server_ef
-from .buffers import BufferPool
+from ..compress import Codec, build, parse_ef
+from .checkpointing import ServerCheckpoint
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
-from .engine_state import ServerStateMixin
 from .errors import ConfigMismatchError, GradpressError
 from .partition import assign_balanced
-from .protocol import CTRL_BYTES, OP_LOAD, OP_SAVE, OP_STOP, KeyDescriptor
+from .protocol import (
+    CTRL_BYTES,
+    OP_LOAD,
+    OP_SAVE,
+    OP_STOP,
+    KeyDescriptor,
+    add_push,
+    check_sum,
+    is_finite,
+    read_control,
+    require_declared,
+)
 from .trace import Tracer, trace_path
-from .transport import CTRL_TAG, Op, Transport, payload_buffer
-from .validate import add_push, check_sum, read_control, require_declared
+from .transport import CTRL_TAG, BufferPool, Transfer, Transport, payload_buffer
 from .watchdog import Watchdog
 
-__all__ = ["ServerEngine", "serve", "main"]
+__all__ = ["reduce_pushes", "ServerEngine", "serve", "main"]
 
 log = logging.getLogger(__name__)
 
 
-class _KeyState:
+def reduce_pushes(pushes: Iterable[tuple[str, torch.Tensor]], decoder: Codec, encoder: Codec,
+                  acc: torch.Tensor, *, key: int, step: int, lr: float | None, divisor: int,
+                  label: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The server side of two-way compression for one key and step; returns the reply payload.
+
+    1. ``acc = 0``, then ``acc += D(p)`` for each ``(sender, p)`` of ``pushes`` in the order
+       given (rank order: the float32 additions happen in the same order on every run), each
+       push validated first (header: codec, numel, fingerprint, size, ``key``, ``step``);
+    2. ``acc /= divisor`` (the number of workers when averaging, 1 for the plain sum);
+    3. ``encoder.compress(acc, key, step, lr, out)``: the encoder carries the server residual.
+
+    Args:
+        pushes: ``(sender, payload)`` pairs in rank order; may be a generator that waits for
+            each payload as it is asked for it.
+        decoder: the codec of the pushes (its header checks and decoders are used).
+        encoder: the codec of the reply, usually with the server's error feedback.
+        acc: float32 accumulator of ``decoder.numel`` elements (overwritten).
+        key, step, lr: the round's key and step (checked in every push) and learning rate
+            (carried in the reply).
+        divisor: what the sum is divided by (>= 1).
+        label: names the key in error messages.
+        out: the reply buffer (``encoder.payload_bytes``), or None for a new tensor.
+
+    Raises :class:`~gradpress.ps.errors.PayloadError` naming the sender of a push that fails
+    validation, or the first sender whose push makes the sum non-finite; the encoder's state is
+    then untouched.
+    """
+    acc.zero_()
+    seen: list[tuple[str, torch.Tensor]] = []
+    for sender, payload in pushes:
+        add_push(decoder, payload, acc, key=key, step=step, sender=sender, label=label)
+        seen.append((sender, payload))
+    if divisor != 1:
+        acc.div_(divisor)
+    try:  # the encoder adds its residual, checks finiteness (no extra pass) and compresses
+        return encoder.compress(acc, key=key, step=step, lr=lr, out=out)
+    except ValueError:
+        if is_finite(acc):
+            raise  # not the pushes' fault (e.g. the residual overflowed)
+        # error path only: name the first sender whose push makes the sum non-finite
+        check_sum(acc, decoder, [p for _, p in seen], [s for s, _ in seen], key=key,
+                  label=label)
+        raise
+
+
+class KeyState:
     """Buffers, codecs and counters of one key on its server."""
 
     def __init__(self, key: int, desc: KeyDescriptor, pushers: int, thread: int) -> None:
         self.key = key
         self.desc = desc
         self.label = f"key {key} ({desc.label})"
+        self.ef = parse_ef(desc.ef)
         self.dec = build(desc.spec, desc.numel, seed=desc.seed)
         # the workers' error feedback, with its server_decay when the kind has one
-        self.enc = build(desc.spec, desc.numel, ef=server_ef(desc.ef), seed=desc.seed)
+        self.enc = build(desc.spec, desc.numel, ef=self.ef.for_server(), seed=desc.seed)
         self.nbytes = self.dec.payload_bytes
         self.thread = thread
         # per worker: the buffer of its pending push, lent by the engine's pool (framed)
         self.recv: list[torch.Tensor | None] = [None] * pushers
-        self.recv_ops: list[Op | None] = [None] * pushers
+        self.recv_ops: list[Transfer | None] = [None] * pushers
         self.lrs: list[float | None] = [None] * pushers
         self.next_step = [0] * pushers  # per worker: the step its next announcement must carry
         self.arrived = 0
         self.step = 0
         self.reply = [payload_buffer(self.nbytes) for _ in range(2)]
-        self.sends: list[list[Op]] = [[], []]
+        self.sends: list[list[Transfer]] = [[], []]
         self.lock = threading.Lock()
 
 
-class ServerEngine(ServerStateMixin):
-    """Server ``index`` of the job, running on threads of the current process (checkpoint
-    methods, and loading ``cfg.resume`` before serving: ``ServerStateMixin``).
+class ServerEngine:
+    """Server ``index`` of the job, running on threads of the current process (its keys' state,
+    loaded from ``cfg.resume`` before serving: ``checkpoint``, a
+    :class:`~gradpress.ps.checkpointing.ServerCheckpoint`).
 
     Args:
         cluster: the joined job.
@@ -102,7 +163,7 @@ class ServerEngine(ServerStateMixin):
         self.pushers = cluster.layout.pushers
         self.tracer = tracer or Tracer(None, cluster.rank, self.name)
         self._on_error = on_error
-        self._keys: dict[int, _KeyState] = {}
+        self._keys: dict[int, KeyState] = {}
         self._keys_lock = threading.Lock()
         self._thread_loads = [0] * cfg.engine_threads
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue()
@@ -118,7 +179,7 @@ class ServerEngine(ServerStateMixin):
         self._threads: list[threading.Thread] = []
         self.stats = {"bytes_received": 0, "bytes_sent": 0, "steps": 0, "decode_s": 0.0,
                       "compress_s": 0.0, "wait_s": 0.0}
-        self._init_state()
+        self.checkpoint = ServerCheckpoint(self)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> ServerEngine:
@@ -154,7 +215,7 @@ class ServerEngine(ServerStateMixin):
                                      f"{self.cfg.timeout:g} s of the stop")
         if self._error is not None:
             raise self._error
-        for ks in list(self._keys.values()):
+        for ks in self.keys():
             for op in ks.sends[0] + ks.sends[1]:
                 op.wait(self.cfg.timeout, "pull (final replies)")
         self.tracer.write()
@@ -162,6 +223,11 @@ class ServerEngine(ServerStateMixin):
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    def keys(self) -> list[KeyState]:
+        """The keys this server has seen so far."""
+        with self._keys_lock:
+            return list(self._keys.values())
 
     def _guard(self, fn: object, arg: int) -> None:
         try:
@@ -196,8 +262,8 @@ class ServerEngine(ServerStateMixin):
             msg = read_control(buf, sender=who, receiver=self.name)  # hostile input checks
             if msg.op == OP_STOP:
                 break
-            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.state)
-                self._state_request(w, msg)
+            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.checkpointing)
+                self.checkpoint.request(w, msg)
                 continue
             if msg.key not in self._keys:
                 require_declared(self.cluster.store, msg.key, sender=who, receiver=self.name)
@@ -219,7 +285,7 @@ class ServerEngine(ServerStateMixin):
             if self._live_controls == 0:
                 self._stopped.set()
 
-    def _check_push(self, ks: _KeyState, w: int, step: int, nbytes: int) -> None:
+    def _check_push(self, ks: KeyState, w: int, step: int, nbytes: int) -> None:
         who = self.cluster.describe(self.pushers[w])
         if nbytes != ks.nbytes:
             raise ConfigMismatchError(f"{self.name}: {who} pushes {nbytes} bytes for "
@@ -228,7 +294,7 @@ class ServerEngine(ServerStateMixin):
             raise ConfigMismatchError(f"{self.name}: {who} pushes {ks.label} at step {step}, "
                                       f"expected step {ks.next_step[w]}")
 
-    def _key_state(self, key: int) -> _KeyState:
+    def _key_state(self, key: int) -> KeyState:
         with self._keys_lock:
             ks = self._keys.get(key)
             if ks is not None:
@@ -241,8 +307,8 @@ class ServerEngine(ServerStateMixin):
             nbytes = build(desc.spec, desc.numel, seed=desc.seed).payload_bytes
             thread = assign_balanced({key: nbytes}, self._thread_loads)[key]
             self._thread_loads[thread] += nbytes
-            ks = self._keys[key] = _KeyState(key, desc, len(self.pushers), thread)
-            self._restore(ks)  # saved state loaded from a checkpoint, if any
+            ks = self._keys[key] = KeyState(key, desc, len(self.pushers), thread)
+            self.checkpoint.restore(ks)  # saved state loaded from a checkpoint, if any
             return ks
 
     # -- steps 3-5: engine threads -------------------------------------------------------------
@@ -259,44 +325,45 @@ class ServerEngine(ServerStateMixin):
             self._accs[thread] = torch.empty(numel, dtype=torch.float32)
         return self._accs[thread][:numel]
 
-    def _reduce(self, ks: _KeyState) -> None:
-        step, timeout = ks.step, self.cfg.timeout
+    def _reduce(self, ks: KeyState) -> None:
+        step, timeout, slot = ks.step, self.cfg.timeout, ks.step % 2
         t0 = time.perf_counter()
-        acc = self._accumulator(ks.thread, ks.desc.numel)
-        acc.zero_()
-        wait_s = 0.0
-        for w, rank in enumerate(self.pushers):  # step 3: rank order, not arrival order
-            tw = time.perf_counter()
-            ks.recv_ops[w].wait(timeout, "push")  # type: ignore[union-attr]
-            wait_s += time.perf_counter() - tw
-            add_push(ks.dec, ks.recv[w], acc, key=ks.key, step=step, label=ks.label,
-                     sender=self.cluster.describe(rank))
-        check_sum(acc, ks.dec, ks.recv, [self.cluster.describe(r) for r in self.pushers],
-                  key=ks.key, label=ks.label)  # non-finite: name the sender, send nothing
+        for op in ks.sends[slot]:  # step 3: the reply buffer of step - 2 must have left
+            op.wait(timeout, "pull (reply of step - 2)")
+        times = {"wait": time.perf_counter() - t0}
+        divisor = self.cluster.layout.num_workers if ks.desc.average else 1  # also when node
+        reduce_pushes(self._pushes(ks, times), ks.dec, ks.enc,  # leaders push sums
+                      self._accumulator(ks.thread, ks.desc.numel), key=ks.key, step=step,
+                      lr=self._step_lr(ks), divisor=divisor, label=ks.label,
+                      out=ks.reply[slot])
+        t2 = time.perf_counter()
         for w, buf in enumerate(ks.recv):  # decoded: the pushes' buffers go back to the pool
             self._buffers.give(buf)  # type: ignore[arg-type]
             ks.recv[w] = None
-        if ks.desc.average:  # by the number of workers, also when node leaders push sums
-            acc.div_(self.cluster.layout.num_workers)
-        t1 = time.perf_counter()
-        slot = step % 2
-        for op in ks.sends[slot]:  # step 4: the buffer of step-2 must have left
-            op.wait(timeout, "pull (reply of step - 2)")
-        ks.enc.compress(acc, key=ks.key, step=step, lr=self._step_lr(ks), out=ks.reply[slot])
-        t2 = time.perf_counter()
         ks.step += 1
         ks.sends[slot] = [self.transport.isend(ks.reply[slot], rank, ks.key, ks.label, "pull")
                           for rank in self.pushers]  # step 5: same bytes to every worker
-        self._account(ks, t0, t1, t2, wait_s)
+        self._account(ks, t0, times["decoded"], t2, times["wait"])
 
-    def _step_lr(self, ks: _KeyState) -> float | None:
+    def _pushes(self, ks: KeyState,
+                times: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The key's pushes in rank order, each as soon as it arrived; records the waits in
+        ``times["wait"]`` and when the last push was handed over in ``times["decoded"]``."""
+        for w, rank in enumerate(self.pushers):  # rank order, not arrival order
+            tw = time.perf_counter()
+            ks.recv_ops[w].wait(self.cfg.timeout, "push")  # type: ignore[union-attr]
+            times["wait"] += time.perf_counter() - tw
+            yield self.cluster.describe(rank), ks.recv[w]  # type: ignore[misc]
+        times["decoded"] = time.perf_counter()
+
+    def _step_lr(self, ks: KeyState) -> float | None:
         lr = ks.lrs[0]
-        if ks.desc.ef == "corrected" and any(x != lr for x in ks.lrs):
+        if ks.ef.kind == "corrected" and any(x != lr for x in ks.lrs):
             raise ConfigMismatchError(f"{self.name}: workers pushed {ks.label} at step {ks.step} "
                                       f"with different learning rates {ks.lrs}")
         return lr
 
-    def _account(self, ks: _KeyState, t0: float, t1: float, t2: float, wait_s: float) -> None:
+    def _account(self, ks: KeyState, t0: float, t1: float, t2: float, wait_s: float) -> None:
         s = self.stats
         with ks.lock:
             s["bytes_received"] += ks.nbytes * len(self.pushers)
@@ -325,7 +392,7 @@ def serve(ccfg: ClusterConfig, cfg: PSConfig) -> None:
     engine = ServerEngine(cluster, cfg, transport, index, tracer=tracer).start()
     with Watchdog(cluster, interval=cfg.watchdog_interval, exit_within=cfg.timeout,
                   exit_at_once=True):
-        engine.join()  # a failure recorded anywhere ends this process (reliability.md)
+        engine.join()  # a failure recorded anywhere ends this process
     # only after a clean stop: with a failed peer, tearing gloo down could block
     cluster.close()
 

@@ -18,6 +18,14 @@ receive the trailer must equal the header it arrived with; otherwise the message
 (or corrupted) and :class:`~gradpress.ps.errors.PayloadError` names the sender and the key.
 Payload buffers therefore come from :func:`payload_buffer`, which leaves room for the trailer.
 (A message *longer* than the posted buffer makes gloo abort the receiving process.)
+
+Flow control: :class:`BufferPool` lends payload buffers per chunk in flight, so a worker holds
+wire buffers only for the bytes it has in flight (bounded by ``inflight_bytes``, which
+:class:`ByteBudget` enforces), not one pair per key of the whole model. A worker takes a send
+and a receive buffer for a chunk when the chunk enters the pipeline and gives both back when
+its reply is decoded. Given-back buffers are kept, per size, for the next chunk of that size (a
+step of the same model asks for the same sizes again, and fresh large buffers cost page
+faults), up to ``keep_bytes`` in all; beyond that they are freed.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import torch.distributed as dist
 from ..compress.header import HEADER_BYTES
 from .errors import CommTimeoutError, PayloadError, PeerError
 
-__all__ = ["Op", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES", "payload_buffer"]
+__all__ = ["Transfer", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES",
+           "payload_buffer", "BufferPool", "ByteBudget"]
 
 #: Directions of messages: worker -> server ("push") and server -> worker ("pull").
 LANES = ("push", "pull")
@@ -76,7 +85,7 @@ def _frame(buf: torch.Tensor, label: str, is_send: bool) -> tuple[torch.Tensor, 
     return full, a
 
 
-class Op:
+class Transfer:
     """A posted send or receive; :meth:`wait` blocks until it completed."""
 
     def __init__(self, work: object, kind: str, peer: str, label: str,
@@ -181,16 +190,16 @@ class Transport:
         self._mailbox = _Mailbox()
         self._lock = threading.Lock()
 
-    def isend(self, buf: torch.Tensor, dst: int, tag: int, label: str, lane: str) -> Op:
+    def isend(self, buf: torch.Tensor, dst: int, tag: int, label: str, lane: str) -> Transfer:
         """Post a send of uint8 ``buf`` to world rank ``dst``; keep ``buf`` alive until waited."""
         return self._post(buf, dst, tag, label, lane, is_send=True)
 
-    def irecv(self, buf: torch.Tensor, src: int, tag: int, label: str, lane: str) -> Op:
+    def irecv(self, buf: torch.Tensor, src: int, tag: int, label: str, lane: str) -> Transfer:
         """Post a receive into ``buf`` from world rank ``src`` (sizes must match the send)."""
         return self._post(buf, src, tag, label, lane, is_send=False)
 
     def _post(self, buf: torch.Tensor, peer: int, tag: int, label: str, lane: str,
-              is_send: bool) -> Op:
+              is_send: bool) -> Transfer:
         kind = "send" if is_send else "receive"
         if lane not in LANES:
             raise ValueError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
@@ -208,4 +217,83 @@ class Transport:
                     raise PeerError(f"posting {kind} of {label} with "
                                     f"{self._describe(peer)} failed: {e}", key=label,
                                     peer=self._describe(peer), stage="post") from e
-        return Op(work, kind, self._describe(peer), label, self._context, check)
+        return Transfer(work, kind, self._describe(peer), label, self._context, check)
+
+
+class BufferPool:
+    """Framed payload buffers (:func:`~gradpress.ps.transport.payload_buffer`) by size.
+
+    Args:
+        keep_bytes: at most this many bytes of idle buffers are kept for reuse.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be an int >= 0, got {keep_bytes!r}")
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._kept = 0
+        self._lock = threading.Lock()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of idle buffers held for reuse."""
+        return self._kept
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A payload buffer of ``nbytes`` (contents undefined)."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._kept -= nbytes
+                return free.pop()
+        return payload_buffer(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return ``buf`` (from :meth:`take`); no operation may still use it."""
+        n = buf.numel()
+        with self._lock:
+            if self._kept + n <= self.keep_bytes:
+                self._free.setdefault(n, []).append(buf)
+                self._kept += n
+
+    def clear(self) -> None:
+        """Free every idle buffer."""
+        with self._lock:
+            self._free.clear()
+            self._kept = 0
+
+
+class ByteBudget:
+    """Bytes in flight; ``acquire`` waits for room (a lone oversize chunk always fits).
+
+    Waits end with the room, with the error given to :meth:`abort`, or after ``timeout``.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, timeout: float, what: str) -> None:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.error is not None or self.used == 0
+                                     or self.used + n <= self.limit, timeout)
+            if self.error is not None:
+                raise self.error
+            if not ok:
+                raise CommTimeoutError(f"timed out after {timeout:g} s waiting for in-flight "
+                                       f"budget for {what} ({self.used} of {self.limit} bytes "
+                                       f"in flight)", key=what, stage="budget")
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+    def abort(self, e: BaseException) -> None:
+        with self._cond:
+            self.error = e
+            self._cond.notify_all()

@@ -1,4 +1,4 @@
-"""The worker pipeline of ``push_pull`` (BytePS-Compress, Zhong et al. 2021, section 3).
+"""The worker pipeline of ``push_pull`` (BytePS-Compress, Zhong et al. 2021).
 
 For each tensor: look up (or create) its plan, cut it into chunks, and per chunk:
 
@@ -51,29 +51,35 @@ import torch
 
 from ..compress import build
 from ..compress.registry import ef_needs_lr
-from ..compress.spec import CodecSpec
-from .budget import ByteBudget
-from .buffers import BufferPool
+from ..compress.spec import CodecSpec, EFSpec
+from .calls import (
+    ChunkJob,
+    ChunkState,
+    Handle,
+    Plan,
+    check_out,
+    flat_fp32,
+    host_buffer,
+    on_stream,
+    resolve_codec,
+)
+from .checkpointing import WorkerCheckpoint
 from .cluster import Cluster
 from .config import PSConfig
-from .engine_state import WorkerStateMixin
 from .errors import GradpressError, KeyCollisionError
-from .handle import Handle
-from .inputs import check_out, flat_fp32, host_buffer, on_stream, resolve_codec
 from .partition import assign_balanced, chunk_key, chunk_layout
-from .plan import ChunkState, Job, Plan
-from .protocol import OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
+from .protocol import OP_PUSH, OP_STOP, Control, KeyDescriptor, decode_reply, pack_control
 from .trace import Tracer
-from .transport import CTRL_TAG, Transport
-from .validate import decode_reply
+from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport
 
-__all__ = ["WorkerEngine", "Handle", "resolve_codec", "flat_fp32", "check_out"]  # re-exported
+__all__ = ["WorkerEngine"]
 
 log = logging.getLogger(__name__)
 
 
-class WorkerEngine(WorkerStateMixin):
-    """The push/pull pipeline of one worker process (checkpoint methods: ``WorkerStateMixin``).
+class WorkerEngine:
+    """The push/pull pipeline of one worker process (its codec state: ``checkpoint``, a
+    :class:`~gradpress.ps.checkpointing.WorkerCheckpoint`).
 
     Args:
         cluster: the joined job.
@@ -102,8 +108,7 @@ class WorkerEngine(WorkerStateMixin):
             ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes", "steps", "chunks"), 0)
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
-        self._pending: dict[str, dict[str, Any]] = {}  # loaded state of tensors not yet seen
-        self._state_seq = 0  # server state requests so far (collective over workers)
+        self.checkpoint = WorkerCheckpoint(self)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
         self._recv_q: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._loop, args=(self._dispatch_q,
@@ -116,7 +121,7 @@ class WorkerEngine(WorkerStateMixin):
     # -- public ---------------------------------------------------------------------------------
     def submit(self, tensor: torch.Tensor, name: str, *, average: bool = True,
                compression: str | Mapping[str, Any] | CodecSpec | None = None,
-               ef: str | None = None, lr: float | None = None,
+               ef: str | EFSpec | None = None, lr: float | None = None,
                min_compress_bytes: int | None = None, out: torch.Tensor | None = None) -> Handle:
         """Start a push_pull of ``tensor`` under ``name``; returns a :class:`Handle`.
 
@@ -141,9 +146,9 @@ class WorkerEngine(WorkerStateMixin):
             self._live.add(handle)
             self._stats["dense_fp32_bytes"] += 4 * flat.numel()
         lr = None if lr is None else float(lr)
-        for cs, off in zip(plan.chunks, plan.offsets):
-            n = cs.desc.numel
-            self._dispatch_q.put(Job(cs, flat[off:off + n], out[off:off + n], handle, lr,
+        for chunk, off in zip(plan.chunks, plan.offsets):
+            n = chunk.desc.numel
+            self._dispatch_q.put(ChunkJob(chunk, flat[off:off + n], out[off:off + n], handle, lr,
                                      stream))
         if not plan.chunks:
             handle._chunk_done()
@@ -192,7 +197,7 @@ class WorkerEngine(WorkerStateMixin):
             op.wait(self.cfg.timeout, "shutdown")
 
     # -- planning -------------------------------------------------------------------------------
-    def check_call(self, name: str, compression: Any, ef: str | None,
+    def check_call(self, name: str, compression: Any, ef: str | EFSpec | None,
                    lr: float | None = None) -> None:
         """Validate a call's name and codec options (ValueError/TypeError), before any I/O."""
         if not isinstance(name, str) or not name:
@@ -206,8 +211,8 @@ class WorkerEngine(WorkerStateMixin):
             build(spec, 0, seed=self.cfg.seed, **wrappers)  # unknown codec or parameter: raise
             self._valid_specs.add(sig)
 
-    def _plan(self, name: str, numel: int, average: bool, compression: Any, ef: str | None,
-              lr: float | None, min_compress_bytes: int | None) -> Plan:
+    def _plan(self, name: str, numel: int, average: bool, compression: Any,
+              ef: str | EFSpec | None, lr: float | None, min_compress_bytes: int | None) -> Plan:
         self.check_call(name, compression, ef, lr)
         limit = self.cfg.min_compress_bytes if min_compress_bytes is None else min_compress_bytes
         spec, wrappers = resolve_codec(compression, ef, self.cfg)
@@ -224,7 +229,7 @@ class WorkerEngine(WorkerStateMixin):
             return plan
         gen = 0 if plan is None else plan.generation + 1
         plan = self._new_plan(name, numel, gen, spec, wrappers, bool(average), signature)
-        self._restore_pending(plan)  # loaded checkpoint state; ValueError naming a mismatch
+        self.checkpoint.restore_pending(plan)  # loaded state; ValueError naming a mismatch
         with self._lock:
             self._plans[name] = plan
         return plan
@@ -275,14 +280,14 @@ class WorkerEngine(WorkerStateMixin):
         return agreed
 
     # -- pipeline -------------------------------------------------------------------------------
-    def _loop(self, q: queue.SimpleQueue, fn: Callable[[Job], None]) -> None:
+    def _loop(self, q: queue.SimpleQueue, fn: Callable[[ChunkJob], None]) -> None:
         while True:
             job = q.get()
             if job is None:
                 return
             self._guard(fn, job)
 
-    def _guard(self, fn: Callable[[Job], None], job: Job) -> None:
+    def _guard(self, fn: Callable[[ChunkJob], None], job: ChunkJob) -> None:
         if self._error is not None:
             job.handle._set_error(self._error)
             return
@@ -291,64 +296,65 @@ class WorkerEngine(WorkerStateMixin):
         except BaseException as e:  # noqa: BLE001 - fatal: fail every pending handle
             self.fail(e)
 
-    def _dispatch(self, job: Job) -> None:  # step 1
-        n = job.cs.nbytes
-        self._budget.acquire(n, self.cfg.timeout, job.cs.label)
+    def _dispatch(self, job: ChunkJob) -> None:  # step 1
+        n = job.chunk.nbytes
+        self._budget.acquire(n, self.cfg.timeout, job.chunk.label)
         job.send, job.recv = self._buffers.take(n), self._buffers.take(n)  # framed (transport)
-        job.step = job.cs.step
-        job.cs.step += 1
+        job.step = job.chunk.step
+        job.chunk.step += 1
         self._pool.submit(self._guard, self._push, job)
 
-    def _push(self, job: Job) -> None:  # steps 2-3
-        cs, send, t0 = job.cs, job.send, time.perf_counter()
+    def _push(self, job: ChunkJob) -> None:  # steps 2-3
+        chunk, send, t0 = job.chunk, job.send, time.perf_counter()
         with on_stream(job.stream):
             self._compress(job)
         t1 = time.perf_counter()
-        job.recv_op = self.transport.irecv(job.recv, cs.server_rank, cs.key, cs.label, "pull")
-        pack_control(Control(OP_PUSH, cs.key, job.step, job.lr, cs.nbytes), cs.ctrl)
-        job.ops = [self.transport.isend(cs.ctrl, cs.server_rank, CTRL_TAG, cs.label, "push"),
-                   self.transport.isend(send, cs.server_rank, cs.key, cs.label, "push")]
+        dst, label = chunk.server_rank, chunk.label
+        job.recv_op = self.transport.irecv(job.recv, dst, chunk.key, label, "pull")
+        pack_control(Control(OP_PUSH, chunk.key, job.step, job.lr, chunk.nbytes), chunk.ctrl)
+        job.ops = [self.transport.isend(chunk.ctrl, dst, CTRL_TAG, label, "push"),
+                   self.transport.isend(send, dst, chunk.key, label, "push")]
         job.t_sent = t2 = time.perf_counter()
         self._recv_q.put(job)
-        self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=cs.nbytes, chunks=1)
-        self.tracer.add("compress", t0, t1, key=cs.key, step=job.step, name=cs.desc.name,
-                        chunk=cs.desc.chunk)
+        self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=chunk.nbytes, chunks=1)
+        self.tracer.add("compress", t0, t1, key=chunk.key, step=job.step, name=chunk.desc.name,
+                        chunk=chunk.desc.chunk)
 
-    def _compress(self, job: Job) -> None:  # step 2, by compress_on (module docstring)
-        cs, x, send = job.cs, job.x, job.send
-        kw = {"key": cs.key, "step": job.step, "lr": job.lr}
+    def _compress(self, job: ChunkJob) -> None:  # step 2, by compress_on (module docstring)
+        chunk, x, send = job.chunk, job.x, job.send
+        kw = {"key": chunk.key, "step": job.step, "lr": job.lr}
         if x.device.type == "cpu":
-            cs.enc.compress(x, out=send, **kw)
+            chunk.enc.compress(x, out=send, **kw)
         elif self.cfg.compress_on == "device":
-            send.copy_(cs.enc.compress(x, **kw))  # type: ignore[union-attr]  # payload only
+            send.copy_(chunk.enc.compress(x, **kw))  # type: ignore[union-attr]  # payload only
         else:
             host = host_buffer(x)
             host.copy_(x)  # blocking: this chunk only, while other chunks are compressed
-            cs.enc.compress(host, out=send, **kw)
+            chunk.enc.compress(host, out=send, **kw)
 
-    def _decode(self, job: Job) -> None:  # step 5, by compress_on (module docstring)
-        cs, out, payload = job.cs, job.out, job.recv
+    def _decode(self, job: ChunkJob) -> None:  # step 5, by compress_on (module docstring)
+        chunk, out, payload = job.chunk, job.out, job.recv
         dst = out
         if out.device.type != "cpu":
             if self.cfg.compress_on == "device":
                 payload = payload.to(out.device)  # type: ignore[union-attr]  # blocking
             else:
                 dst = host_buffer(out)
-        decode_reply(cs.dec, payload, dst, key=cs.key, step=job.step,  # validated
-                     sender=cs.server_name, label=cs.label)
+        decode_reply(chunk.dec, payload, dst, key=chunk.key, step=job.step,  # validated
+                     sender=chunk.server_name, label=chunk.label)
         if dst is not out:
             out.copy_(dst)  # blocking: the chunk's slice of the device result
 
-    def _receive(self, job: Job) -> None:  # step 4
+    def _receive(self, job: ChunkJob) -> None:  # step 4
         t0 = time.perf_counter()
         job.recv_op.wait(self.cfg.timeout, "pull")  # type: ignore[union-attr]
         t1 = time.perf_counter()
         self.account(wait_s=t1 - t0)
-        self.tracer.add("push+pull", job.t_sent, t1, key=job.cs.key, step=job.step)
+        self.tracer.add("push+pull", job.t_sent, t1, key=job.chunk.key, step=job.step)
         self._pool.submit(self._guard, self._finish, job)
 
-    def _finish(self, job: Job) -> None:  # step 5
-        cs = job.cs
+    def _finish(self, job: ChunkJob) -> None:  # step 5
+        chunk = job.chunk
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
@@ -357,10 +363,10 @@ class WorkerEngine(WorkerStateMixin):
         self._buffers.give(job.send)  # type: ignore[arg-type]
         self._buffers.give(job.recv)  # type: ignore[arg-type]
         job.send = job.recv = None
-        self._budget.release(cs.nbytes)
+        self._budget.release(chunk.nbytes)
         t1 = time.perf_counter()
-        self.account(decompress_s=t1 - t0, bytes_pulled=cs.nbytes)
-        self.tracer.add("decompress", t0, t1, key=cs.key, step=job.step)
+        self.account(decompress_s=t1 - t0, bytes_pulled=chunk.nbytes)
+        self.tracer.add("decompress", t0, t1, key=chunk.key, step=job.step)
         job.handle._chunk_done()
 
     def account(self, **deltas: float) -> None:
@@ -374,6 +380,21 @@ class WorkerEngine(WorkerStateMixin):
             self._live.discard(handle)
             if handle.error is None:
                 self._stats["steps"] += 1
+
+    def plans(self, names: set[str] | None = None) -> dict[str, Plan]:
+        """The plans of the tensors pushed so far (``names``: only those), by name."""
+        with self._lock:
+            return {n: p for n, p in self._plans.items() if names is None or n in names}
+
+    def check_idle(self, what: str) -> None:
+        """Raise naming the tensors in flight unless no push_pull is (``what`` names the
+        caller, e.g. a checkpoint operation)."""
+        self._check_usable()
+        with self._lock:
+            busy = sorted({h.name for h in self._live})
+        if busy:
+            raise RuntimeError(f"{what}: push_pull of {busy} in flight; call the optimizer's "
+                               f"step() or synchronize() (or wait the handles) first")
 
     def _check_usable(self) -> None:
         if self._error is not None:

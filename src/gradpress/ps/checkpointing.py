@@ -1,11 +1,12 @@
 """Exact checkpoints of the parameter-server runtime: worker and server codec state.
 
-What is state (design brief §3: residuals are saved and restored, never reset): per key, the
-error-feedback residual and ``lr_prev`` (workers and servers), the Nesterov momentum buffer
-(workers), and the key's step counter, which seeds ``randomk``/``dithering`` and is checked in
-every payload header. State is addressed by tensor name and chunk index, not by numeric key (keys
-carry a generation number and hash collisions are resolved by renaming), so it survives a restart
-in fresh processes.
+What is state (residuals are saved and restored, never reset): per key, the error-feedback
+residual and ``lr_prev`` (workers and servers), the Nesterov momentum buffer (workers), and the
+key's step counter, which seeds ``randomk``/``dithering`` and is checked in every payload header.
+State is addressed by tensor name and chunk index, not by numeric key (keys carry a generation
+number and hash collisions are resolved by renaming), so it survives a restart in fresh
+processes. Each engine reaches its state through one object, :class:`WorkerCheckpoint` or
+:class:`ServerCheckpoint`, which uses only the methods the engine exposes for it.
 
 Server state travels through the transport's control channel, so that a save or load is ordered
 after every push a worker made before it:
@@ -27,33 +28,69 @@ after every push a worker made before it:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .errors import CommTimeoutError, GradpressError
-from .protocol import OP_LOAD, OP_SAVE, Control, pack_control
-from .transport import CTRL_TAG
+from .errors import CommTimeoutError
+from .protocol import (
+    OP_SAVE,
+    ArrivalCounter,
+    Control,
+    acknowledge,
+    read_request,
+    request_server_op,
+)
 
 if TYPE_CHECKING:
+    from .calls import Plan
     from .cluster import Cluster, Layout
-    from .plan import Plan
+    from .config import PSConfig
     from .transport import Transport
 
 __all__ = ["FORMAT", "META_FILE", "worker_file", "server_file", "atomic_save", "load_file",
-           "read_meta", "plan_state", "restore_plan", "check_worker_state", "key_entry",
-           "server_snapshot", "read_server_states", "restore_key", "wait_quiescent",
-           "request_server_op", "read_request", "acknowledge"]
+           "read_meta", "WorkerCheckpoint", "ServerCheckpoint", "plan_state", "restore_plan",
+           "check_worker_state", "read_server_states"]
+
+log = logging.getLogger(__name__)
+
+class WorkerSide(Protocol):
+    """What :class:`WorkerCheckpoint` uses of the worker engine."""
+
+    cluster: Cluster
+    transport: Transport
+    cfg: PSConfig
+
+    def plans(self, names: set[str] | None = None) -> dict[str, Plan]:
+        """The plans of the tensors pushed so far (``names``: only those), by name."""
+
+    def check_idle(self, what: str) -> None:
+        """Raise naming the tensors in flight unless no push_pull is."""
+
+
+class ServerSide(Protocol):
+    """What :class:`ServerCheckpoint` uses of the server engine."""
+
+    cluster: Cluster
+    cfg: PSConfig
+    index: int
+    name: str
+    pushers: list[int]
+
+    def keys(self) -> list[Any]:
+        """The keys the server has seen so far (``gradpress.ps.server.KeyState``: ``desc``,
+        ``step``, ``next_step``, ``arrived``, ``lock``, ``label`` and the server codec
+        ``enc``)."""
 
 FORMAT = 1
 META_FILE = "meta.json"
-OPS = {"save": OP_SAVE, "load": OP_LOAD}
 _POLL_S = 0.01
 
 
@@ -119,8 +156,8 @@ def _signature(sig: tuple) -> dict[str, Any]:
 def plan_state(plan: Plan) -> dict[str, Any]:
     """State of one tensor's plan: signature, per chunk step and codec."""
     return {"signature": _signature(plan.signature),
-            "chunks": [{"numel": cs.desc.numel, "step": cs.step, "codec": cs.enc.state_dict()}
-                       for cs in plan.chunks]}
+            "chunks": [{"numel": c.desc.numel, "step": c.step, "codec": c.enc.state_dict()}
+                       for c in plan.chunks]}
 
 
 def check_worker_state(state: Any) -> dict[str, dict[str, Any]]:
@@ -155,23 +192,90 @@ def restore_plan(plan: Plan, entry: Mapping[str, Any]) -> None:
                          f"({'; '.join(diff)}); use the same model, compression and "
                          f"min_compress_bytes as the saved run")
     chunks = entry["chunks"]
-    layout = [cs.desc.numel for cs in plan.chunks]
+    layout = [c.desc.numel for c in plan.chunks]
     if [ch.get("numel") for ch in chunks] != layout:
         raise ValueError(f"saved worker state of tensor {name!r} has chunks of "
                          f"{[ch.get('numel') for ch in chunks]} elements, this run cuts it into "
                          f"{layout}; use the same partition_bytes as the saved run")
-    for cs, ch in zip(plan.chunks, chunks):
+    for chunk, ch in zip(plan.chunks, chunks):
         try:
-            cs.enc.load_state_dict(ch["codec"])
+            chunk.enc.load_state_dict(ch["codec"])
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"saved worker state of tensor {name!r} chunk {cs.desc.chunk}: "
+            raise ValueError(f"saved worker state of tensor {name!r} chunk {chunk.desc.chunk}: "
                              f"{e}") from e
-        cs.step = int(ch["step"])
+        chunk.step = int(ch["step"])
+
+
+class WorkerCheckpoint:
+    """``state_dict``/``load_state_dict`` and server state requests of a ``WorkerEngine``.
+
+    Uses the engine's ``cluster``, ``transport``, ``cfg``, :meth:`plans` and
+    :meth:`check_idle`; owns the loaded state of tensors not pushed yet.
+    """
+
+    def __init__(self, engine: WorkerSide) -> None:
+        self.engine = engine
+        self._pending: dict[str, dict[str, Any]] = {}  # loaded state of tensors not yet seen
+        self._seq = 0  # server state requests so far (collective over workers)
+        self._lock = threading.Lock()
+
+    def state_dict(self, names: set[str] | None = None) -> dict[str, Any]:
+        """Per tensor (``names``, default all): each chunk's step counter and worker codec state
+        (error-feedback residual, momentum) as CPU copies; no push_pull may be in flight.
+
+        Tensors are keyed by name and chunk index, so the state loads into fresh processes.
+        """
+        self.engine.check_idle("state_dict")
+        plans = self.engine.plans(names)
+        with self._lock:
+            pending = {n: e for n, e in self._pending.items() if names is None or n in names}
+        return {"format": FORMAT,
+                "tensors": {**pending, **{n: plan_state(p) for n, p in plans.items()}}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Tensors already pushed are restored at once; the others when their first push_pull
+        creates them, which then raises ValueError naming the tensor if its size, codec or
+        chunking differs from the saved one.
+        """
+        tensors = check_worker_state(state)
+        self.engine.check_idle("load_state_dict")
+        plans = self.engine.plans(set(tensors))
+        with self._lock:
+            self._pending.update({n: e for n, e in tensors.items() if n not in plans})
+        for name, plan in plans.items():
+            restore_plan(plan, tensors[name])
+
+    def server_state(self, op: str, directory: str, tag: str | None = None) -> None:
+        """Ask every server to ``"save"`` its state to, or ``"load"`` it from, ``directory``.
+
+        Collective over the workers, bounded by ``cfg.timeout``; errors name the server.
+        """
+        if op not in ("save", "load"):
+            raise ValueError(f"server state operation must be 'save' or 'load', got {op!r}")
+        self.engine.check_idle(f"{op} of server state")
+        seq, self._seq = self._seq, self._seq + 1
+        e = self.engine
+        request_server_op(e.cluster, e.transport, e.cfg.timeout, seq, op, directory, tag)
+
+    def restore_pending(self, plan: Plan) -> None:
+        """Apply loaded state to a new plan; on a mismatch keep it pending and raise."""
+        with self._lock:
+            entry = self._pending.pop(plan.name, None)
+        if entry is None:
+            return
+        try:
+            restore_plan(plan, entry)
+        except BaseException:
+            with self._lock:
+                self._pending.setdefault(plan.name, entry)
+            raise
 
 
 # -- server side ----------------------------------------------------------------------------
 def key_entry(ks: Any) -> dict[str, Any]:
-    """State of one server key (a ``server._KeyState``)."""
+    """State of one server key."""
     d = ks.desc
     return {"generation": d.generation, "numel": d.numel, "spec": d.spec, "ef": d.ef,
             "seed": d.seed, "average": d.average, "step": ks.step, "codec": ks.enc.state_dict()}
@@ -247,84 +351,57 @@ def wait_quiescent(keys: Iterable[Any], timeout: float, who: str) -> None:
             time.sleep(_POLL_S)
 
 
-def read_request(cluster: Cluster, seq: int, op: int) -> dict[str, Any]:
-    """The request ``seq`` the workers agreed on; ValueError if there is none or not ``op``."""
-    if not cluster.store.check([f"state/{seq}"]):  # the workers write it before they send
-        raise ValueError(f"server state request {seq} is unknown (no record in the store)")
-    req = json.loads(cluster.store.get(f"state/{seq}"))
-    if OPS.get(req.get("op")) != op:
-        raise ValueError(f"server state request {seq} is {req.get('op')!r}, but the control "
-                         f"message asked for op {op}")
-    return req
+class ServerCheckpoint:
+    """Save/load of a ``ServerEngine``'s keys (residuals, step counters).
 
+    Uses the engine's ``cluster``, ``cfg``, ``index``, ``name``, ``pushers`` and :meth:`keys`;
+    owns the saved entries of keys not created yet. Loads ``cfg.resume`` when built.
+    """
 
-def acknowledge(cluster: Cluster, seq: int, index: int, error: BaseException | None) -> None:
-    """Tell the workers the outcome of request ``seq`` on server ``index``."""
-    text = "ok" if error is None else f"error: {type(error).__name__}: {error}"
-    cluster.store.set(f"state/{seq}/ack/{index}", text)
-
-
-def request_server_op(cluster: Cluster, transport: Transport, timeout: float, seq: int, op: str,
-                      directory: str, tag: str | None) -> None:
-    """Worker side of steps 1, 2 and 4 (see the module docstring); collective over workers."""
-    lay = cluster.layout
-    record = json.dumps({"op": op, "dir": directory, "tag": tag}, sort_keys=True)
-    agreed = cluster.store.compare_set(f"state/{seq}", "", record).decode()
-    if agreed != record:
-        text = (f"workers disagree on server state request {seq}: here {record}, elsewhere "
-                f"{agreed}; call save/load on every worker with the same directory")
-        cluster.report_error(text)  # the other workers stop waiting for acknowledgements
-        raise ValueError(f"{cluster.describe(cluster.rank)}: {text}")
-    servers = range(lay.num_servers)
-    if cluster.rank in lay.pushers:  # step 2: behind this worker's push announcements
-        msg = pack_control(Control(OPS[op], 0, seq))
-        sends = [transport.isend(msg, lay.server_rank(s), CTRL_TAG, f"{op} of server state",
-                                 "push") for s in servers]
-        for s in sends:
-            s.wait(timeout, f"{op} server state")
-    acks = _wait_acks(cluster, seq, timeout, op)  # step 4
-    failed = [f"{cluster.describe(lay.server_rank(s))}: {acks[s]}" for s in servers
-              if acks[s] != "ok"]
-    if failed:
-        raise GradpressError(f"{op} of server state in {directory} failed on "
-                             f"{'; '.join(failed)}")
-
-
-def _wait_acks(cluster: Cluster, seq: int, timeout: float, op: str) -> list[str]:
-    keys = [f"state/{seq}/ack/{s}" for s in range(cluster.layout.num_servers)]
-    deadline = time.monotonic() + timeout
-    last_check = 0.0
-    while not cluster.store.check(keys):
-        now = time.monotonic()
-        if now - last_check > 0.5:
-            last_check = now
-            if errors := cluster.reported_errors():
-                raise GradpressError(f"{op} of server state: a process failed:\n{errors}")
-        if now > deadline:
-            missing = [cluster.describe(cluster.layout.server_rank(s))
-                       for s, k in enumerate(keys) if not cluster.store.check([k])]
-            raise CommTimeoutError(f"{op} of server state: no answer from {', '.join(missing)} "
-                                   f"within {timeout:g} s", peer=", ".join(missing),
-                                   stage=f"{op} server state")
-        time.sleep(_POLL_S)
-    return [cluster.store.get(k).decode(errors="replace") for k in keys]
-
-
-class ArrivalCounter:
-    """Counts the pushers' control messages per request (server side of step 3)."""
-
-    def __init__(self, pushers: int) -> None:
-        self._pushers = pushers
-        self._seen: dict[int, set[int]] = {}
+    def __init__(self, engine: ServerSide) -> None:
+        self.engine = engine
         self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], dict[str, Any]] = {}
+        self._arrivals = ArrivalCounter(len(engine.pushers))
+        resume = engine.cfg.resume
+        if resume:
+            meta = read_meta(resume)
+            self._pending = read_server_states(resume, engine.cluster.layout, engine.name,
+                                               None if meta is None else meta.get("tag"))
+            log.info("%s: %d saved keys pending from %s", engine.name, len(self._pending),
+                     resume)
 
-    def arrive(self, seq: int, pusher: int) -> bool:
-        """Record ``pusher``'s message for ``seq``; True once every pusher sent one (a repeat
-        from the same pusher does not count)."""
+    def restore(self, ks: Any) -> None:
+        """Apply pending saved state to key ``ks`` (a new key, or one loaded into)."""
         with self._lock:
-            seen = self._seen.setdefault(seq, set())
-            seen.add(pusher)
-            if len(seen) < self._pushers:
-                return False
-            del self._seen[seq]
-            return True
+            entry = self._pending.pop((ks.desc.name, ks.desc.chunk), None)
+        if entry is not None:
+            restore_key(ks, entry, len(self.engine.pushers), self.engine.name)
+
+    def request(self, w: int, msg: Control) -> None:
+        """Pusher ``w``'s save/load message; the last of all pushers runs the request."""
+        seq, e = msg.step, self.engine
+        if not self._arrivals.arrive(seq, w):
+            return
+        try:
+            req = read_request(e.cluster, seq, msg.op)
+            keys = e.keys()
+            wait_quiescent(keys, e.cfg.timeout, e.name)
+            if msg.op == OP_SAVE:
+                atomic_save(server_snapshot(keys, e.cluster.layout, e.index, req["tag"]),
+                            server_file(req["dir"], e.index))
+            else:
+                self._load(req["dir"], req["tag"])
+        except Exception as err:  # noqa: BLE001 - reported to the workers; serving goes on
+            log.error("%s: server state request %d failed: %s", e.name, seq, err)
+            acknowledge(e.cluster, seq, e.index, err)
+            return
+        acknowledge(e.cluster, seq, e.index, None)
+
+    def _load(self, directory: str, tag: str | None) -> None:
+        loaded = read_server_states(directory, self.engine.cluster.layout, self.engine.name, tag)
+        with self._lock:
+            self._pending.update(loaded)
+        # keys created from now on restore themselves; each entry is applied once (popped)
+        for ks in sorted(self.engine.keys(), key=lambda k: -k.desc.generation):  # newest first
+            self.restore(ks)

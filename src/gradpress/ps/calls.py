@@ -1,0 +1,230 @@
+"""A ``push_pull`` call as the worker pipeline (:mod:`gradpress.ps.worker`) sees it: its
+arguments checked (codec spec and error feedback, the input and ``out=`` tensors), the host
+buffers and CUDA streams that stage GPU tensors, what the worker keeps per tensor (``Plan``),
+per key (``ChunkState``) and per chunk in flight (``ChunkJob``), and the :class:`Handle` the
+caller waits on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..compress.base import Codec
+from ..compress.registry import pick_ef
+from ..compress.spec import CodecSpec, EFSpec, parse_ef, parse_spec
+from .config import PSConfig
+from .errors import CommTimeoutError
+from .protocol import CTRL_BYTES, KeyDescriptor
+from .transport import Transfer
+
+__all__ = ["resolve_codec", "check_out", "flat_fp32", "host_buffer", "on_stream", "Handle",
+           "Plan", "ChunkState", "ChunkJob"]
+
+
+def resolve_codec(compression: str | Mapping[str, Any] | CodecSpec | None,
+                  ef: str | EFSpec | None, cfg: PSConfig) -> tuple[CodecSpec, dict[str, Any]]:
+    """Split a spec into the codec spec and wrapper options; call arguments beat config defaults.
+
+    Returns ``(codec spec without wrappers, {"ef": ..., "momentum": ..., "mu": ...})``, with
+    ``"ef"`` the canonical text of the error feedback (``str(EFSpec)``; None for none): what
+    the key descriptors and checkpoints carry.
+    """
+    spec = parse_spec(cfg.compression if compression is None else compression)
+    wrappers = dict(spec.wrappers)
+    chosen = pick_ef(ef, wrappers.pop("ef", None), compression) or parse_ef(cfg.ef)
+    wrappers["ef"] = str(chosen) if chosen.enabled else None
+    if str(wrappers.get("momentum", "")).strip().lower() in ("", "none"):
+        wrappers.pop("momentum", None)
+    return CodecSpec(spec.name, dict(spec.params)), wrappers
+
+
+def check_out(out: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+    """Validate ``out=`` of a push_pull whose input is ``flat``; returns its flat view.
+
+    ``out`` must be a contiguous float32 tensor on ``flat``'s device with the input's number of
+    elements; it may be the input itself (in place) but must not overlap it otherwise.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"push_pull({name!r}): out must be a torch.Tensor, got "
+                        f"{type(out).__name__}")
+    if out.dtype != torch.float32 or out.device != flat.device or not out.is_contiguous():
+        raise TypeError(f"push_pull({name!r}): out must be a contiguous float32 tensor on "
+                        f"{flat.device} (the tensor's device), got {out.dtype} on {out.device}"
+                        f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if out.numel() != flat.numel():
+        raise ValueError(f"push_pull({name!r}): out has {out.numel()} elements, the tensor has "
+                         f"{flat.numel()}")
+    o = out.reshape(-1)
+    if o.numel() and o.data_ptr() != flat.data_ptr():
+        lo, hi = flat.data_ptr(), flat.data_ptr() + 4 * flat.numel()
+        if o.data_ptr() < hi and lo < o.data_ptr() + 4 * o.numel():
+            raise ValueError(f"push_pull({name!r}): out overlaps the input tensor without being "
+                             f"the same memory; pass the tensor itself (in place) or a separate "
+                             f"buffer")
+    return o
+
+
+def flat_fp32(tensor: torch.Tensor, name: str, *, keep_device: bool = False) -> torch.Tensor:
+    """``tensor`` as a flat, contiguous float32 tensor on the CPU (``keep_device``: on its own
+    device); no copy when it already is one."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"push_pull({name!r}): expected a torch.Tensor, got "
+                        f"{type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise TypeError(f"push_pull({name!r}): expected a floating-point tensor, got "
+                        f"{tensor.dtype}")
+    device = tensor.device if keep_device else torch.device("cpu")
+    return tensor.detach().reshape(-1).to(device=device, dtype=torch.float32).contiguous()
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised float32 CPU buffer of ``like``'s size; pinned when ``like`` is on CUDA
+    (torch's caching host allocator reuses pinned blocks, so this is cheap per chunk)."""
+    return torch.empty(like.numel(), dtype=torch.float32, pin_memory=like.is_cuda)
+
+
+def on_stream(stream: Any) -> contextlib.AbstractContextManager:
+    """Run a chunk's device work on the CUDA stream recorded at submit (no-op without one)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+class Handle:
+    """Completion of one ``push_pull_async``; :meth:`wait` returns the averaged tensor.
+
+    The result has the input's shape, dtype and device. Do not modify the input tensor before
+    the handle completes: its chunks are read while they are compressed.
+    """
+
+    def __init__(self, name: str, out: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                 device: torch.device, nchunks: int,
+                 on_done: Callable[[Handle], None] | None = None) -> None:
+        self.name = name
+        self._out = out
+        self._shape = shape
+        self._dtype = dtype
+        self._device = device
+        self._pending = nchunks
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._on_done = on_done
+        self._result: torch.Tensor | None = None
+        self._finished = False
+
+    def done(self) -> bool:
+        """Whether the result (or an error) is ready; never blocks."""
+        return self._event.is_set()
+
+    @property
+    def completion(self) -> threading.Event:
+        """Set once the result (or an error) is ready."""
+        return self._event
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until done and return the result; re-raise the pipeline's error.
+
+        ``timeout`` (seconds) bounds this wait; None waits for the pipeline, whose every stage
+        is bounded by ``GRADPRESS_TIMEOUT``.
+        """
+        if not self._event.wait(timeout):
+            raise CommTimeoutError(f"push_pull of {self.name!r} did not finish within "
+                                   f"{timeout:g} s", key=self.name, stage="wait")
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            res = self._out.view(self._shape)
+            if res.dtype != self._dtype or res.device != self._device:
+                res = res.to(device=self._device, dtype=self._dtype)
+            self._result = res
+        return self._result
+
+    def wait_quietly(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds, ignoring the outcome (used before reuse/shutdown)."""
+        self._event.wait(timeout)
+
+    def _chunk_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending <= 0 and not self._finished
+            self._finished |= last
+        if last:
+            self._finish()
+
+    def _set_error(self, e: BaseException) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._error = e
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._on_done is not None:
+            self._on_done(self)
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self.done() else "pending"
+        return f"Handle({self.name!r}, {state})"
+
+
+@dataclass
+class ChunkState:
+    """Per-key state on the worker: descriptor, codecs, buffers and step counter."""
+
+    key: int
+    desc: KeyDescriptor
+    server_rank: int
+    server_name: str
+    enc: Codec
+    dec: Codec
+    nbytes: int  # payload bytes each way (the wire buffers are lent per step by the pool)
+    ctrl: torch.Tensor = field(default_factory=lambda: torch.empty(CTRL_BYTES,
+                                                                     dtype=torch.uint8))
+    step: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"key {self.key} ({self.desc.label})"
+
+
+@dataclass
+class Plan:
+    """How one named tensor travels: its signature, generation and chunk states."""
+
+    name: str
+    signature: tuple
+    generation: int
+    numel: int
+    chunks: list[ChunkState]
+    offsets: list[int]
+    last: threading.Event | None = None  # completion of the key's previous push_pull
+    device: torch.device | None = None  # compress_on="device": where the codec state lives
+
+
+@dataclass
+class ChunkJob:
+    """One chunk of one ``push_pull`` call moving through the pipeline."""
+
+    chunk: ChunkState
+    x: torch.Tensor
+    out: torch.Tensor
+    handle: Handle
+    lr: float | None
+    stream: Any = None  # the CUDA stream current at submit (None for other devices)
+    step: int = 0
+    send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
+    recv: torch.Tensor | None = None
+    ops: list[Transfer] = field(default_factory=list)
+    recv_op: Transfer | None = None
+    t_sent: float = 0.0
