@@ -157,19 +157,20 @@ class LANS(BucketedOptimizer):
         return torch._foreach_div(grads, list(n.unbind()))
 
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
+        frozen = group.get("freeze_variance_after")
         if use_fused(b, self.fused, type(self).__name__):
             # Steps 1-7 per tensor in two passes (gradpress.optim.kernels).
             fused_layerwise_(b, group, blend=True, normalize=group["normalize_grad"],
-                             frozen_after=group.get("freeze_variance_after"))
+                             frozen_after=frozen)
             return
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         # Step 1: per-layer gradient normalisation (a copy; p.grad stays as it was).
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        # Step 2: first and second moments, in place in the state (v not past freeze_variance_after).
-        moments_(b, g, beta1, beta2, frozen_after=group.get("freeze_variance_after"))
+        # Step 2: first and second moments (v frozen after freeze_variance_after).
+        moments_(b, g, beta1, beta2, frozen_after=frozen)
         # Step 3: d = s*(sqrt(vh) + eps) with s = sqrt(1 - b2^t), per tensor's own t.
-        d, s = adam_denominators(b, beta2, group["eps"], frozen_after=group.get("freeze_variance_after"))
+        d, s = adam_denominators(b, beta2, group["eps"], frozen_after=frozen)
         # Step 4: r = mh/(sqrt(vh)+eps) + wd*x = m * s/(1 - b1^t) / d + wd*x.
         r = direction(b.exp_avgs, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
                       b.params, wd)

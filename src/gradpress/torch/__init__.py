@@ -6,5 +6,5 @@ from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_pa
 from .clan import CLAN, OneBitLANS
 from .optimizer import DistributedOptimizer
 
-__all__ = ["CLAN", "OneBitLANS", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object"]
+__all__ = ["CLAN", "OneBitLANS", "DistributedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "broadcast_object"]
