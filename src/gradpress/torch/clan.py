@@ -96,6 +96,7 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
         TypeError: ``uncompressed_params`` is a single string.
     """
     _check_dense_steps(dense_steps, 0)
+    _spec(compression, ef)  # checked now, not at the first push
     named, groups = _groups(named_parameters, weight_decay)
     dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
     opt = clan_optimizer(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -166,15 +167,12 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         TypeError: ``uncompressed_params`` is a single string.
     """
     from ..api import push_pull_async
-    from ..compress import build
     from ..compress.registry import ef_needs_lr
 
     _check_dense_steps(dense_steps, 1)
     named, param_groups = _groups(named_parameters, weight_decay)
     dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
-    cs = parse_spec(compression)  # checked now, not when the dense phase ends
-    spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": ef})
-    build(spec, 4096)
+    spec = _spec(compression, ef)  # checked now, not when the dense phase ends
     needs_lr = ef_needs_lr(ef)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
     groups: list[dict[str, Any]] = []           # the optimizer's, once built
@@ -195,6 +193,16 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     # The wrapper averages dense gradients during the dense phase and stops once the
     # optimizer's compression_active turns true (it communicates momenta from then on).
     return DistributedOptimizer(opt, named_parameters=named, compression="none")
+
+
+def _spec(compression: Compression, ef: str) -> CodecSpec:
+    """The codec spec with ``ef`` as its error feedback, built once to check it (ValueError)."""
+    from ..compress import build
+
+    cs = parse_spec(compression)
+    spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, "ef": ef})
+    build(spec, 4096)
+    return spec
 
 
 def _check_dense_steps(dense_steps: Any, lo: int) -> None:

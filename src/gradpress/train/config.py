@@ -77,7 +77,7 @@ class TrainConfig:
     task: str | None = option(None, "bundled task, or give a worker script after --",
                               metavar="NAME", choices=lambda: _task_names())
     script: tuple[str, ...] = option((), "script mode: -- CMD ... run by each worker instead "
-                                         "of a bundled task", metavar="-- CMD",
+                                         "of a bundled task", metavar="CMD",
                                      positional=True)
     workers: int = option(2, "worker processes", metavar="N")
     servers: int = option(1, "parameter-server processes", metavar="N")
