@@ -50,7 +50,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR",
                    help="resume from the checkpoint in DIR: sets GRADPRESS_RESUME=DIR for every "
                         "process; servers load their state from it at start, the training "
-                        "script calls gradpress.checkpoint.load (docs/checkpoints.md)")
+                        "script calls gradpress.checkpoint.load (docs/design.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ... run by each worker")
     return p
 
