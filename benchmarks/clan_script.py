@@ -1,62 +1,109 @@
-"""The bundled transformer task through the public API: ``gp.CLAN`` in a user script.
+"""A bundled task through ``gradpress train``'s script mode: the public factories, or the
+optimizers' experiment switches.
 
-``benchmarks/convergence.py`` measures 1-bit LANS through ``gradpress train --optimizer
-onebit-lans``. This script trains the same task (stdlib-mlm: model, data, evaluation from
-``gradpress.tasks``) with the optimizer a user would build, ``gp.CLAN``, under ``gradpress
-train``'s script mode, so the recommendation of ``docs/convergence.md`` section 2.13 can be
-checked as it is written there::
+Two uses, both on a bundled task (model, data, evaluation and training loop from
+``gradpress.tasks`` and ``gradpress.train.worker``, as ``gradpress train --task`` runs them):
 
-    gradpress train --compression onebit --lr 0.01 --steps 800 --warmup-steps 30 --seed 0 \\
-        --no-progress --out runs/clan-script/pos-w160_st800_s0 \\
-        -- python benchmarks/clan_script.py --warmup-steps 160 --uncompressed-params pos.weight
+1. ``--method onebit-lans`` (default) or ``--method clan``: the optimizer a user builds,
+   ``gp.OneBitLANS`` or ``gp.CLAN``, with this script's codec, error feedback, dense steps and
+   exact tensors (``gradpress train``'s ``--compression`` then only labels the report and warms
+   the links up)::
 
-Compare its ``val_loss`` with the driver's run of the same seed and length
-(``onebit-lans_onebit_pos-lv-decay08-noblend-srv1-freeze160``). ``--lr``, ``--steps``,
-``--warmup-steps`` (the lr schedule's), ``--weight-decay`` (default: the task's) and
-``--seed`` come from ``gradpress train`` (its ``--compression`` only labels the report and
-warms the links up); the script's own options give ``gp.CLAN``'s codec, error feedback, dense
-phase and exact tensors.
+       gradpress train --compression onebit --lr 0.01 --steps 800 --warmup-steps 30 --seed 0 \\
+           --no-progress --out runs/clan-script/pos-d160_st800_s0 \\
+           -- python benchmarks/clan_script.py --dense-steps 160 --uncompressed-params pos.weight
+
+2. ``--method train``: exactly ``gradpress train --task TASK`` with every option of the
+   ``gradpress train`` command line, plus the optimizer-class switches that only the
+   convergence study uses (``benchmarks/convergence.py`` runs its variants this way)::
+
+       gradpress train --optimizer onebit-lans --compression onebit --lr 0.01 --steps 800 \\
+           -- python benchmarks/clan_script.py --method train --variance frozen --blend
+
+``--lr``, ``--steps``, ``--warmup-steps`` (the lr schedule's), ``--weight-decay`` (default: the
+task's) and ``--seed`` come from ``gradpress train`` in both.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
 
 import gradpress as gp
 from gradpress.tasks import get_task
-from gradpress.train import Session
-from gradpress.train.worker import train_steps
+from gradpress.train import Session, TrainConfig
+from gradpress.train.session import CONFIG_ENV
+from gradpress.train.worker import run_task, train_steps
+
+#: ``--method`` -> the public factory it builds.
+FACTORIES = {"onebit-lans": "OneBitLANS", "clan": "CLAN"}
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="stdlib-mlm", help="bundled task (default: stdlib-mlm)")
-    p.add_argument("--compression", default="onebit", help="gp.CLAN's codec spec")
-    p.add_argument("--ef", default=None,
-                   help="gp.CLAN's error feedback (default: its own, "
-                        "vanilla:decay=0.8,server_decay=1)")
-    p.add_argument("--warmup-steps", type=int, default=100, help="gp.CLAN's dense steps")
-    p.add_argument("--uncompressed-params", nargs="*", default=[],
+    p.add_argument("--method", default="onebit-lans", choices=[*FACTORIES, "train"],
+                   help="gp.OneBitLANS, gp.CLAN, or gradpress train's optimizer with the "
+                        "switches below (default: onebit-lans)")
+    f = p.add_argument_group("the factories (--method onebit-lans or clan)")
+    f.add_argument("--compression", default="onebit", help="the factory's codec spec")
+    f.add_argument("--ef", default=None, help="the factory's error feedback (default: its own)")
+    f.add_argument("--dense-steps", type=int, default=100, help="the factory's dense steps")
+    f.add_argument("--uncompressed-params", nargs="*", default=[],
                    help="parameter names kept exact (e.g. pos.weight)")
-    p.add_argument("--min-compress-bytes", type=int, default=16 << 10,
+    f.add_argument("--min-compress-bytes", type=int, default=16 << 10,
                    help="smaller tensors travel exact (default 16 KiB, as gradpress train; "
-                        "gp.CLAN's own default of 1 MiB would leave this small model dense)")
-    return p.parse_args()
+                        "the factories' own 1 MiB would leave this small model dense)")
+    s = p.add_argument_group("experiment switches of the optimizer classes (--method train)")
+    s.add_argument("--variance", choices=("frozen", "local"),
+                   help="onebit-lans: the second moment after the dense phase")
+    s.add_argument("--blend", action=argparse.BooleanOptionalAction, default=None,
+                   help="onebit-lans: LANS's blend after the dense phase")
+    s.add_argument("--no-precondition", action="store_true",
+                   help="onebit-lans: send the momentum, not divided by sqrt(v)")
+    s.add_argument("--sends", choices=("momentum", "gradient"),
+                   help="onebit-lans: what travels after the dense phase")
+    s.add_argument("--refresh-every", type=int, metavar="N",
+                   help="onebit-lans: one dense step every N that refreshes a frozen v")
+    s.add_argument("--ef21", action="store_true",
+                   help="onebit-lans: differences to a shared estimate (give --ef none to "
+                        "gradpress train)")
+    s.add_argument("--freeze-variance-after", type=int, metavar="N",
+                   help="clan/lans: freeze the second moment after N steps")
+    return p.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    gp.init()
+def optimizer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The optimizer-class keywords of the experiment switches that were given."""
+    opts: dict[str, Any] = {
+        "variance": args.variance, "blend": args.blend, "sends": args.sends,
+        "refresh_every": args.refresh_every,
+        "freeze_variance_after": args.freeze_variance_after}
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if args.no_precondition:
+        opts["precondition"] = False
+    if args.ef21:
+        opts["ef21"] = True
+    return opts
+
+
+def run_factory(args: argparse.Namespace) -> None:
+    """Use 1: the public factory in a user's training script."""
     s = Session.from_env()
     task = get_task(args.task)
     # 1. the task's model, the same start on every worker
     model = task.build_model(s.cfg.seed)
     model.train()
     wd = task.defaults.weight_decay if s.cfg.weight_decay is None else s.cfg.weight_decay
-    opt = gp.CLAN(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
-                  ef=args.ef, weight_decay=wd, warmup_steps=args.warmup_steps,
+    kw = {} if args.ef is None else {"ef": args.ef}
+    factory = getattr(gp, FACTORIES[args.method])
+    opt = factory(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
+                  weight_decay=wd, dense_steps=args.dense_steps,
                   uncompressed_params=args.uncompressed_params,
-                  min_compress_bytes=args.min_compress_bytes)
+                  min_compress_bytes=args.min_compress_bytes, **kw)
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})
     s.start()
     # 2-3. the bundled task's own loop (the one `gradpress train --task` runs): steps with the
@@ -64,6 +111,24 @@ def main() -> None:
     bs = task.defaults.batch_size
     train_steps(task, model, opt, s, bs, task.steps_per_epoch(gp.size(), bs))
     s.finish(model, task=args.task)
+
+
+def run_train(args: argparse.Namespace) -> None:
+    """Use 2: ``gradpress train --task`` with the optimizer's experiment switches."""
+    path = Path(os.environ[CONFIG_ENV])
+    cfg = TrainConfig.from_dict(json.loads(path.read_text())["runs"][0])
+    run_task(cfg.replace(task=args.task, script=()), optimizer_options=optimizer_options(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.method != "train" and optimizer_options(args):
+        raise SystemExit("clan_script.py: the experiment switches need --method train")
+    gp.init()
+    if args.method == "train":
+        run_train(args)
+    else:
+        run_factory(args)
     gp.shutdown()
 
 

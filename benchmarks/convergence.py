@@ -1,6 +1,7 @@
 """Convergence benchmark: codecs x optimizers x seeds through ``gradpress train``, one table.
 
-Usage (each row of ``docs/convergence.md`` prints the command that reproduces it)::
+Usage (each row of ``benchmarks/results/convergence-log-2026.md`` prints the command that
+reproduces it)::
 
     python benchmarks/convergence.py --tasks digits-cnn --codecs none onebit topk \\
         --optimizers clan --seeds 0 1 2
@@ -14,7 +15,9 @@ Usage (each row of ``docs/convergence.md`` prints the command that reproduces it
 Steps:
 
 1. Expand the grid (task x optimizer x codec x variant x seed) into run configurations; each
-   gets a run directory ``OUT/<task>/<label>_s<seed>`` and a ``gradpress train`` command line.
+   gets a run directory ``OUT/<task>/<label>_s<seed>`` and a ``gradpress train`` command line
+   (variants that use an optimizer's experiment switches run the bundled task through
+   ``benchmarks/clan_script.py --method train``, see :func:`split_options`).
 2. Run every configuration whose directory lacks a completed ``report.json`` (one after the
    other: each run already uses every core), unless ``--collect-only``.
 3. Read the reports, group the seeds of one configuration, and print (and with ``--md`` write)
@@ -45,10 +48,21 @@ CODECS: dict[str, str] = {
     "topk": "topk:k=0.001,values=fp16", "randomk": "randomk:k=0.01",
     "dithering": "dithering:s=7",
 }
-#: Optimizers behind a gradient codec (``--uncompressed-steps`` applies to them).
+#: Optimizers behind a gradient codec (``--dense-steps`` is their dense phase; they ran with
+#: the option ``uncompressed-steps`` when the study began).
 GRADIENT_OPTIMIZERS = ("clan", "lans", "lamb", "adam")
-#: 1-bit LANS's best settings on stdlib-mlm (docs/convergence.md 2.8): position embedding exact,
-#: each worker's own second moment, residuals decaying with the momentum.
+#: Options of the variants that are experiment switches of the optimizer classes, not
+#: ``gradpress train`` options: they go to ``benchmarks/clan_script.py --method train``.
+STUDY_SWITCHES = ("no-blend", "no-precondition", "sends", "refresh-every", "variance")
+#: The study's 1-bit LANS defaults when it began (``--optimizer onebit-lans`` then; today's
+#: ``onebit-lans`` is the local second moment without the blend): every variant keeps its
+#: meaning.
+STUDY_DEFAULTS = {"onebit-lans": {"variance": "frozen", "blend": True}}
+#: The script that runs a bundled task with experiment switches.
+STUDY_SCRIPT = "benchmarks/clan_script.py"
+#: 1-bit LANS's best settings on stdlib-mlm (benchmarks/results/convergence-log-2026.md 2.8):
+#: position embedding exact, each worker's own second moment, residuals decaying with the
+#: momentum.
 _POS_LV_DECAY = {"uncompressed-params": "pos.weight", "variance": "local", "ef-decay": 0.9}
 #: The same without the blend and with the servers' residuals kept (2.10); 2.11 varies ef-decay.
 _SRV1 = {**_POS_LV_DECAY, "no-blend": True, "server-ef-decay": 1.0}
@@ -136,7 +150,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                           "env": {"GRADPRESS_PARTITION_BYTES": str(16 << 10)}},
 }
 #: Learning rates used unless ``--lr`` is given: (task, optimizer, codec) -> lr; ``*`` matches
-#: any codec. Chosen per method (see docs/convergence.md).
+#: any codec. Chosen per method (see benchmarks/results/convergence-log-2026.md).
 LRS: dict[tuple[str, str, str], float] = {
     ("digits-cnn", "clan", "*"): 4e-3, ("digits-cnn", "clan", "topk"): 8e-3,
     ("digits-cnn", "lans", "*"): 4e-3,
@@ -171,25 +185,79 @@ class Run:
         return (self.task, self.optimizer, self.codec, self.variant, self.lr, self.steps,
                 self.epochs)
 
-    def command(self) -> list[str]:
-        """The ``gradpress train`` command line of this run."""
-        cmd = ["gradpress", "train", "--task", self.task, "--optimizer", self.optimizer,
-               "--compression", CODECS[self.codec], "--lr", f"{self.lr:g}"]
+    def command(self, python: str = "python", script: str = STUDY_SCRIPT) -> list[str]:
+        """The ``gradpress train`` command line of this run (``python script`` runs the task
+        when the variant uses experiment switches)."""
+        extra = dict(self.extra)
+        if self.optimizer in GRADIENT_OPTIMIZERS and self.codec != "none":
+            extra.setdefault("uncompressed-steps", 0)  # explicit: the CLI default may change
+        cli, study = split_options(self.optimizer, extra)
+        cmd = ["gradpress", "train"] + ([] if study else ["--task", self.task])
+        cmd += ["--optimizer", self.optimizer, "--compression", CODECS[self.codec],
+                "--lr", f"{self.lr:g}"]
         if self.steps is not None:
             cmd += ["--steps", str(self.steps)]
         if self.epochs is not None:
             cmd += ["--epochs", str(self.epochs)]
-        extra = dict(self.extra)
-        if self.optimizer in GRADIENT_OPTIMIZERS and self.codec != "none":
-            extra.setdefault("uncompressed-steps", 0)  # explicit: the CLI default may change
-        for k, v in extra.items():
-            cmd += [f"--{k}"] if v is True else [f"--{k}", str(v)]
-        return cmd + ["--seed", str(self.seed), "--no-progress", "--out", str(self.out)]
+        for k, v in cli.items():
+            cmd += [f"--{k}"] if v is True else [f"--{k}", *str(v).split()]
+        cmd += ["--seed", str(self.seed), "--no-progress", "--out", str(self.out)]
+        if study is not None:
+            cmd += ["--", python, script, "--task", self.task, "--method", "train", *study]
+        return cmd
 
     def shell(self) -> str:
         """The command as one shell line (environment first)."""
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
         return (env + " " if env else "") + shlex.join(self.command())
+
+
+def split_options(optimizer: str, extra: Mapping[str, Any]
+                  ) -> tuple[dict[str, Any], list[str] | None]:
+    """A variant's options as (``gradpress train`` options, ``clan_script.py`` switches or
+    None). The study's option names of its time map to today's: ``ef-decay``,
+    ``server-ef-decay`` and ``ef-anneal`` into the ``--ef`` spec; ``uncompressed-steps`` and a
+    1-bit optimizer's ``freeze-step`` into ``--dense-steps``; ``freeze-step`` of clan/lans
+    (the second moment's freeze) into ``--freeze-variance-after``; ``beta1``/``beta2`` into
+    ``--betas``; ``ef ef21`` into ``--ef none`` plus ``--ef21``."""
+    cli, study = {}, dict(STUDY_DEFAULTS.get(optimizer, {}))
+    decay = {k: extra[k] for k in ("ef-decay", "server-ef-decay", "ef-anneal") if k in extra}
+    for k, v in extra.items():
+        if k in decay:
+            continue
+        if k == "ef" and v == "ef21":
+            cli["ef"], study["ef21"] = "none", True
+        elif k == "uncompressed-steps" or (k == "freeze-step" and optimizer.startswith("onebit")):
+            cli["dense-steps"] = v
+        elif k == "freeze-step":
+            study["freeze-variance-after"] = v
+        elif k in ("beta1", "beta2"):
+            b1, b2 = extra.get("beta1", 0.9), extra.get("beta2", 0.999)
+            cli["betas"] = f"{b1!r} {b2!r}"
+        elif k in STUDY_SWITCHES:
+            study["blend" if k == "no-blend" else k] = False if k == "no-blend" else v
+        else:
+            cli[k] = v
+    if decay:  # as TrainConfig wrote the kind from them
+        kind = f"vanilla:decay={float(decay.get('ef-decay', 1.0))!r}"
+        if "server-ef-decay" in decay:
+            kind += f",server_decay={float(decay['server-ef-decay'])!r}"
+        cli["ef"] = kind + (",anneal=1" if decay.get("ef-anneal") else "")
+    return cli, _switches(study) if study else None
+
+
+def _switches(study: Mapping[str, Any]) -> list[str]:
+    """``clan_script.py`` switches of ``study`` (``blend`` True/False: ``--blend``/``--no-blend``,
+    ``no-precondition``/``ef21`` flags, the others with their value)."""
+    out: list[str] = []
+    for k, v in study.items():
+        if k == "blend":
+            out.append("--blend" if v else "--no-blend")
+        elif v is True:
+            out.append(f"--{k}")
+        else:
+            out += [f"--{k}", str(v)]
+    return out
 
 
 def lr_for(task: str, optimizer: str, codec: str) -> float:
@@ -247,7 +315,9 @@ def execute(runs: Sequence[Run], dry: bool = False) -> None:
         print(f"[{i}/{len(todo)}] {r.shell()}", flush=True)
         if dry:
             continue
-        cmd = [sys.executable, "-m", "gradpress.cli", *r.command()[1:]]  # this interpreter's
+        script = str(Path(__file__).with_name("clan_script.py"))
+        cmd = [sys.executable, "-m", "gradpress.cli",  # this interpreter's
+               *r.command(python=sys.executable, script=script)[1:]]
         proc = subprocess.run(cmd, env={**os.environ, **r.env},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
@@ -258,7 +328,8 @@ def compressed_push(rep: Mapping[str, Any], run_dir: Path) -> float:
     """Mean bytes pushed per step after the uncompressed warm-up (so a run's dense refresh
     steps count), from the run's ``metrics.jsonl``; the last step's without it."""
     hp = rep.get("hparams") or {}
-    start = max(hp.get("freeze_step") or 0, hp.get("uncompressed_steps") or 0)
+    # dense_steps; reports written before the rename have freeze_step / uncompressed_steps
+    start = max(hp.get(k) or 0 for k in ("dense_steps", "freeze_step", "uncompressed_steps"))
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     pushed = [r["bytes_pushed"] for r in rows if r.get("kind") == "step" and r["step"] > start]

@@ -66,21 +66,24 @@ def test_unknown_codec_is_an_error(tmp_path: Path) -> None:
         conv.expand(args)
 
 
-def test_uncompressed_steps_option() -> None:
-    from gradpress.train.config import DEFAULT_UNCOMPRESSED_STEPS, TrainConfig
+def test_dense_steps_option() -> None:
+    from gradpress.train.config import DEFAULT_DENSE_STEPS, TrainConfig
     from gradpress.train.hparams import resolve_hparams
 
     cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="clan")
     hp = resolve_hparams(cfg, _Defaults(), 200)
-    assert hp["uncompressed_steps"] == DEFAULT_UNCOMPRESSED_STEPS["clan"] == 100
-    hp = resolve_hparams(cfg.replace(uncompressed_steps=0), _Defaults(), 200)
-    assert hp["uncompressed_steps"] == 0
-    assert resolve_hparams(cfg.replace(optimizer="lans"), _Defaults(), 200)[
-        "uncompressed_steps"] == 0
-    with pytest.raises(ValueError, match="uncompressed_steps"):
-        TrainConfig(task="stdlib-mlm", optimizer="sgd-ef", uncompressed_steps=10)
-    with pytest.raises(ValueError, match="uncompressed_steps"):
-        TrainConfig(task="stdlib-mlm", uncompressed_steps=-1)
+    assert hp["dense_steps"] == DEFAULT_DENSE_STEPS["clan"] == 100
+    assert resolve_hparams(cfg.replace(dense_steps=0), _Defaults(), 200)["dense_steps"] == 0
+    assert resolve_hparams(cfg.replace(optimizer="lans"), _Defaults(), 200)["dense_steps"] == 0
+    # the 1-bit optimizers: 20% of the run unless given
+    assert resolve_hparams(cfg.replace(optimizer="onebit-lans"), _Defaults(), 200)[
+        "dense_steps"] == 40
+    assert "dense_steps" not in resolve_hparams(cfg.replace(optimizer="sgd-ef"), _Defaults(),
+                                                200)
+    with pytest.raises(ValueError, match="dense_steps"):
+        TrainConfig(task="stdlib-mlm", optimizer="sgd-ef", dense_steps=10)
+    with pytest.raises(ValueError, match="dense_steps"):
+        TrainConfig(task="stdlib-mlm", dense_steps=-1)
 
 
 def test_betas_option() -> None:
@@ -89,8 +92,34 @@ def test_betas_option() -> None:
 
     cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="onebit-lans")
     assert resolve_hparams(cfg, _Defaults(), 200)["betas"] == (0.9, 0.999)
-    hp = resolve_hparams(cfg.replace(beta1=0.95, beta2=0.99), _Defaults(), 200)
+    hp = resolve_hparams(cfg.replace(betas=(0.95, 0.99)), _Defaults(), 200)
     assert hp["betas"] == (0.95, 0.99)
+
+
+def test_study_variants_map_to_todays_options(tmp_path: Path) -> None:
+    conv = _driver()
+
+    def cmd(optimizer: str, variant: str) -> str:
+        args = conv.parse_args(["--tasks", "stdlib-mlm", "--codecs", "onebit", "--optimizers",
+                                optimizer, "--variants", variant, "--seeds", "0", "--steps",
+                                "20", "--lr", "0.01", "--out", str(tmp_path)])
+        return conv.expand(args)[0].shell()
+
+    # the study's 1-bit LANS defaults of its time (frozen v, blend) are explicit switches
+    base = cmd("onebit-lans", "base")
+    assert "--task" not in base.split(" -- ")[0]
+    assert base.endswith("-- python benchmarks/clan_script.py --task stdlib-mlm --method "
+                         "train --variance frozen --blend")
+    got = cmd("onebit-lans", "lv-freeze100-noblend-srv1-decay08anneal-wd001")
+    for part in ("--dense-steps 100", "--ef vanilla:decay=0.8,server_decay=1.0,anneal=1",
+                 "--variance local --no-blend"):
+        assert part in got, (part, got)
+    assert "--ef none" in cmd("onebit-lans", "ef21") and cmd("onebit-lans", "ef21").endswith(
+        "--ef21")
+    assert cmd("clan", "warmup100-freeze").endswith("--freeze-variance-after 100")
+    assert "--betas 0.9 0.99" in cmd("lans", "b2")
+    plain = cmd("clan", "base")   # no switches: the bundled task directly
+    assert "--task stdlib-mlm" in plain and " -- " not in plain and "--dense-steps 0" in plain
 
 
 class _Defaults:
@@ -133,7 +162,7 @@ def test_baseline_gap_is_paired_by_seed(tmp_path: Path) -> None:
 
 def test_push_per_step_counts_refresh_steps_after_the_warm_up(tmp_path: Path) -> None:
     conv = _driver()
-    rep = {**_report(0.9, 520), "hparams": {"freeze_step": 2}}
+    rep = {**_report(0.9, 520), "hparams": {"dense_steps": 2}}
     assert conv.compressed_push(rep, tmp_path) == 520  # no metrics: the last step's bytes
     pushed = [4000, 4000, 520, 4000, 520, 520]       # warm-up, then one dense refresh step
     (tmp_path / "metrics.jsonl").write_text("\n".join(

@@ -363,11 +363,11 @@ def test_corrupt_push_fails_ddp_backward_on_every_rank(hostile):
 # -- single-process checks -----------------------------------------------------------------------
 def test_state_pickles_without_process_group():
     state = TwoWayCompressionState("topk:k=0.01", "vanilla", min_compress_bytes=4096,
-                                   start_compress_iter=5, seed=3, overlap=False, lr=0.1)
+                                   dense_steps=5, seed=3, overlap=False, lr=0.1)
     state.process_group = object()  # not picklable in general; must be dropped
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
-    assert (copy.spec, copy.ef, copy.min_compress_bytes, copy.start_compress_iter, copy.seed,
+    assert (copy.spec, copy.ef, copy.min_compress_bytes, copy.dense_steps, copy.seed,
             copy.overlap, copy.lr) == ("topk:k=0.01", "vanilla", 4096, 5, 3, False, 0.1)
     assert copy.state_dict() == state.state_dict()
 
@@ -385,7 +385,7 @@ def test_state_dict_roundtrip_keeps_pending_buckets():
     ({"spec": "nosuch"}, "nosuch"),
     ({"ef": "bogus"}, "bogus"),
     ({"min_compress_bytes": -1}, "min_compress_bytes"),
-    ({"start_compress_iter": 1.5}, "start_compress_iter"),
+    ({"dense_steps": 1.5}, "dense_steps"),
     ({"lr": -0.1}, "lr"),
 ])
 def test_invalid_hyperparameters_raise(kwargs, match):

@@ -6,6 +6,7 @@ and the test compares workers against each other and against a single-process re
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -64,11 +65,10 @@ WORKER = textwrap.dedent('''
         m, _ = train(spec.split(":")[0], 3, lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
                      compression=spec, ef="vanilla", min_compress_bytes=0)
         res[spec] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-    # 2b. the one-call CLAN builder: LANS behind two-way onebit compression, 1 warm-up step
+    # 2b. gp.CLAN, the paper's method: LANS behind the two-way onebit gradient, 1 dense step
     model = net(3)
     opt = gp.CLAN([(f"clan.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                  warmup_steps=1, min_compress_bytes=0, freeze_variance=True,
-                  communicate="gradient")
+                  dense_steps=1, min_compress_bytes=0)
     for step in range(3):
         opt.zero_grad()
         x, y = data(step, r)
@@ -76,19 +76,17 @@ WORKER = textwrap.dedent('''
         opt.step()
     from gradpress.optim import LANS
     res["clan_is_lans"] = torch.tensor(isinstance(opt, LANS))
-    res["clan_freeze"] = torch.tensor(opt.param_groups[0]["freeze_step"])
+    res["clan_normalizes"] = torch.tensor(opt.param_groups[0]["normalize_grad"])
     res["clan"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    # 2c. CLAN with the momentum communicated (1-bit LANS): dense warm-up step, then momenta
-    EFS = {"vanilla": "vanilla", "ef21": "ef21", "corrected": "corrected",
+    # 2c. gp.OneBitLANS: a dense step, then the momenta communicated compressed
+    EFS = {"vanilla": "vanilla", "corrected": "corrected",
            "vanilla:decay=0.9": "vanilla_decay", "vanilla:decay=0.9,server_decay=1": "srv1",
            "vanilla:decay=0.9,server_decay=0.9": "srv09",
            "vanilla:decay=0.8,server_decay=1": "srv1_d08",
            "vanilla:decay=0.8,server_decay=1,anneal=1": "srv1_d08_anneal"}
     for codec, ef, exact in (("onebit", "vanilla", ()), ("none", "vanilla", ()),
-                             ("onebit", "ef21", ()), ("onebit", "corrected", ()),
-                             ("onebit", "exact", ("*",)), ("onebit", "refresh", ()),
-                             ("onebit", "vanilla:decay=0.9", ()), ("onebit", "frozen", ()),
-                             ("onebit", "blend", ()),
+                             ("onebit", "corrected", ()), ("onebit", "exact", ("*",)),
+                             ("onebit", "vanilla:decay=0.9", ()),
                              ("onebit", "vanilla:decay=0.9,server_decay=1", ()),
                              ("onebit", "vanilla:decay=0.9,server_decay=0.9", ()),
                              ("onebit", "vanilla:decay=0.8,server_decay=1", ()),
@@ -96,13 +94,10 @@ WORKER = textwrap.dedent('''
                              ("onebit", "default", ())):
         model = net(3)
         key = codec if ef == "vanilla" else f"{codec}_{EFS.get(ef, ef)}"
-        opt = gp.CLAN([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()], lr=1e-2,
-                      warmup_steps=1, min_compress_bytes=0, compression=codec,
-                      ef=None if ef == "default" else ef if ef in EFS else "vanilla",
-                      uncompressed_params=exact,
-                      refresh_every=2 if ef == "refresh" else None,
-                      variance="frozen" if ef == "frozen" else None,
-                      blend=True if ef == "blend" else None)
+        kw = {} if ef == "default" else {"ef": ef if ef in EFS else "vanilla"}
+        opt = gp.OneBitLANS([(f"clanm_{key}.{n}", p) for n, p in model.named_parameters()],
+                            lr=1e-2, dense_steps=1, min_compress_bytes=0, compression=codec,
+                            uncompressed_params=exact, **kw)
         for step in range(3):
             opt.zero_grad()
             x, y = data(step, r)
@@ -158,12 +153,12 @@ WORKER = textwrap.dedent('''
     res["amp_skipped"] = torch.tensor(skipped)
     res["amp_scale"] = torch.tensor(scaler.get_scale())
     res["amp"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    # 7. warmup_steps: uncompressed for the first N steps (exact), compressed after them
+    # 7. dense_steps: uncompressed for the first N steps (exact), compressed after them
     m, _ = train("wu4", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
-                 warmup_steps=4)
+                 dense_steps=4)
     res["warmup_all"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     m, _ = train("wu2", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
-                 warmup_steps=2)
+                 dense_steps=2)
     res["warmup_half"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     # 8. uncompressed_params: the named tensors travel exactly, the others compressed
     m, _ = train("ex", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
@@ -216,11 +211,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     for spec in CODECS:
         assert torch.isfinite(w0[spec]).all() and not torch.equal(w0[spec], w0["none"]), spec
     assert bool(w0["clan_is_lans"]) and torch.isfinite(w0["clan"]).all()
-    assert int(w0["clan_freeze"]) == 1   # v frozen when compression starts
+    assert not bool(w0["clan_normalizes"])   # CLAN: LANS without gradient normalisation
     assert bool(w0["clanm_onebit_active"]) and torch.isfinite(w0["clanm_onebit"]).all()
     assert not torch.equal(w0["clanm_onebit"], w0["clanm_none"])  # the momentum was compressed
-    assert bool(w0["clanm_onebit_ef21_active"]) and torch.isfinite(w0["clanm_onebit_ef21"]).all()
-    assert not torch.equal(w0["clanm_onebit_ef21"], w0["clanm_onebit"])  # differences travel
     assert bool(w0["clanm_onebit_corrected_active"])                  # ran with the step's lr
     assert torch.isfinite(w0["clanm_onebit_corrected"]).all()
     assert torch.equal(w0["clanm_onebit_exact"], w0["clanm_none"])  # every momentum exact
@@ -230,19 +223,11 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert torch.equal(w0["clanm_onebit_srv09"], w0["clanm_onebit_vanilla_decay"])
     for other in ("clanm_onebit_vanilla_decay", "clanm_onebit"):
         assert not torch.equal(w0["clanm_onebit_srv1"], w0[other]), other
-    # gp.CLAN's default ef: the workers' residuals decay by 0.8, the servers' do not
+    # gp.OneBitLANS's default ef: the workers' residuals decay by 0.8, the servers' do not
     assert not torch.equal(w0["clanm_onebit_srv1_d08"], w0["clanm_onebit_srv1"])
     assert torch.equal(w0["clanm_onebit_default"], w0["clanm_onebit_srv1_d08"])
     # anneal=1: the pushes carry the lr (else push_pull raises); at a constant lr, B_t = B
     assert torch.equal(w0["clanm_onebit_srv1_d08_anneal"], w0["clanm_onebit_srv1_d08"])
-    assert bool(w0["clanm_onebit_refresh_active"])  # step 3 refreshed v densely, step 4 not
-    assert not torch.equal(w0["clanm_onebit_refresh"], w0["clanm_onebit"])
-    # the default: each worker's own v from its own gradient; the replicas stay identical
-    # (checked above) and differ from a frozen v's
-    assert bool(w0["clanm_onebit_frozen_active"])
-    assert not torch.equal(w0["clanm_onebit_frozen"], w0["clanm_onebit"])
-    assert bool(w0["clanm_onebit_blend_active"])  # LANS's blend after the warm-up, on request
-    assert not torch.equal(w0["clanm_onebit_blend"], w0["clanm_onebit"])
     assert torch.equal(w0["exact_all"], w0["none"])
     # named tensors keep the worker-side momentum, as small tensors do
     assert torch.equal(w0["exact_momentum"], w0["momentum_small"])
@@ -257,55 +242,66 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert not torch.equal(w0["warmup_half"], w0["none"])  # compressed from step 2
 
 
-@pytest.mark.parametrize("kw, err, words", [
-    ({"freeze_variance": True, "warmup_steps": 0}, ValueError, ["warmup_steps >= 1", "0"]),
-    ({"freeze_variance": "yes"}, TypeError, ["freeze_variance must be a bool", "'yes'"]),
-    ({"communicate": "grads"}, ValueError, ["communicate must be one of", "'grads'"]),
-    ({"communicate": "momentum", "warmup_steps": 0}, ValueError, ["warmup_steps >= 1"]),
-    ({"communicate": "momentum", "compression": "sign"}, ValueError, ["sign"]),
-    ({"ef": "ef21", "communicate": "gradient"}, ValueError,
-     ["ef='ef21' needs communicate='momentum'", "'gradient'"]),
-    ({"warmup_steps": 0}, ValueError, ["(the default) needs warmup_steps >= 1",
-                                        "communicate='gradient'"]),
-    ({"uncompressed_params": ["pos.*"]}, ValueError,
+FACTORIES = [gp.CLAN, gp.OneBitLANS]
+
+
+@pytest.mark.parametrize("factory", FACTORIES, ids=["CLAN", "OneBitLANS"])
+def test_factories_take_at_most_ten_parameters(factory) -> None:
+    params = inspect.signature(factory).parameters
+    assert len(params) <= 10, list(params)
+    assert list(params)[:2] == ["named_parameters", "lr"]
+    assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[2:])
+    assert {"compression", "ef", "dense_steps", "uncompressed_params"} <= set(params)
+
+
+@pytest.mark.parametrize("factory", FACTORIES, ids=["CLAN", "OneBitLANS"])
+@pytest.mark.parametrize("old", ["warmup_steps", "communicate", "freeze_variance", "variance",
+                                 "blend", "refresh_every", "backward_passes_per_step"])
+def test_factories_reject_removed_names(factory, old: str) -> None:
+    with pytest.raises(TypeError, match=old):
+        factory([("w", torch.nn.Parameter(torch.ones(3)))], **{old: 1})
+
+
+@pytest.mark.parametrize("factory, kw, err, words", [
+    (gp.OneBitLANS, {"dense_steps": 0}, ValueError, ["dense_steps must be an int >= 1", "0"]),
+    (gp.CLAN, {"dense_steps": -1}, ValueError, ["dense_steps must be an int >= 0", "-1"]),
+    (gp.CLAN, {"dense_steps": True}, ValueError, ["dense_steps must be an int >= 0", "True"]),
+    (gp.OneBitLANS, {"compression": "sign"}, ValueError, ["sign"]),
+    (gp.CLAN, {"compression": "sign"}, ValueError, ["sign"]),
+    (gp.OneBitLANS, {"ef": "ef21"}, ValueError, ["ef21"]),
+    (gp.CLAN, {"uncompressed_params": ["pos.*"]}, ValueError,
      ["uncompressed_params: 'pos.*' matches no parameter name", "names are: w"]),
-    ({"uncompressed_params": "w"}, TypeError, ["collection of names", "['w']"]),
-    ({"uncompressed_params": [3]}, TypeError, ["must hold strings", "3"]),
-    ({"refresh_every": 0}, ValueError, ["refresh_every must be None or an int >= 1", "0"]),
-    ({"refresh_every": 5, "communicate": "gradient"}, ValueError,
-     ["refresh_every needs communicate='momentum'", "'gradient'"]),
-    ({"variance": "local", "communicate": "gradient"}, ValueError,
-     ["variance='local' needs communicate='momentum'", "'gradient'"]),
-    ({"variance": "local", "ef": "ef21"}, ValueError, ["variance='local' needs", "ef21=True"]),
-    ({"variance": "fresh"}, ValueError, ["variance must be one of frozen, local", "'fresh'"]),
-    ({"blend": "no"}, TypeError, ["blend must be None or a bool", "'no'"]),
-    ({"blend": True, "communicate": "gradient"}, ValueError,
-     ["blend=True needs communicate='momentum'", "'gradient'"]),
+    (gp.OneBitLANS, {"uncompressed_params": "w"}, TypeError, ["collection of names", "['w']"]),
+    (gp.CLAN, {"uncompressed_params": [3]}, TypeError, ["must hold strings", "3"]),
 ])
-def test_clan_rejects_bad_freeze_variance(kw: dict, err: type, words: list[str]) -> None:
+def test_factories_reject_bad_input(factory, kw: dict, err: type, words: list[str]) -> None:
     p = torch.nn.Parameter(torch.ones(3))
     with pytest.raises(err) as e:
-        gp.CLAN([("w", p)], **kw)
+        factory([("w", p)], **kw)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 
 
-@pytest.mark.parametrize("kw, want", [
-    ({}, "local"), ({"ef": "ef21"}, "frozen"), ({"refresh_every": 50}, "frozen"),
-    ({"variance": "frozen"}, "frozen"),
-])
-def test_clan_default_variance(kw: dict, want: str) -> None:
-    # the local second moment unless an option needs a frozen one (docs/convergence.md 2.8)
-    opt = gp.CLAN([("w", torch.nn.Parameter(torch.ones(3)))], **kw)
-    assert opt.variance == want
+def test_onebit_lans_builds_the_momentum_method() -> None:
+    # what gp.CLAN built before it became the paper's method: each worker's own v, LAMB's step
+    from gradpress.optim import OneBitLANS
+
+    opt = gp.OneBitLANS([("w", torch.nn.Parameter(torch.ones(3)))])
+    assert isinstance(opt, OneBitLANS)
+    assert (opt.variance, opt.blend, opt.ef21, opt.refresh_every) == ("local", False, False,
+                                                                      None)
+    assert opt.param_groups[0]["dense_steps"] == 100 and not opt.compression_active
+    assert opt.communicate is not None
 
 
-@pytest.mark.parametrize("kw, want", [({}, False), ({"blend": True}, True),
-                                      ({"blend": False}, False)])
-def test_clan_default_blend(kw: dict, want: bool) -> None:
-    # the averaged momentum alone after the warm-up unless asked (docs/convergence.md 2.9)
-    opt = gp.CLAN([("w", torch.nn.Parameter(torch.ones(3)))], **kw)
-    assert opt.blend is want
+def test_clan_builds_the_papers_method() -> None:
+    from gradpress.optim import LANS, OneBitLANS
+
+    opt = gp.CLAN([("w", torch.nn.Parameter(torch.ones(3)))])
+    assert isinstance(opt, LANS) and not isinstance(opt, OneBitLANS)
+    assert opt.param_groups[0]["normalize_grad"] is False
+    assert opt.param_groups[0]["freeze_variance_after"] is None
+    assert opt._gp_dense_steps == 100 and opt._gp_spec.wrappers.get("ef") == "vanilla"
 
 
 def test_match_names_patterns_and_exact_names() -> None:
@@ -328,14 +324,14 @@ def test_distributed_optimizer_rejects_unmatched_uncompressed_params() -> None:
                                 uncompressed_params=["lin.bais"])
 
 
-@pytest.mark.parametrize("communicate", ["momentum", "gradient"])
-def test_clan_decays_matrices_only(communicate: str) -> None:
+@pytest.mark.parametrize("factory", FACTORIES, ids=["CLAN", "OneBitLANS"])
+def test_factories_decay_matrices_only(factory) -> None:
     # BERT's recipe, as gradpress train: no weight decay on biases and normalisation weights;
     # the flat order (the momenta's keys) is the matrices first, each part in the given order
     model = torch.nn.Sequential(torch.nn.LayerNorm(3), torch.nn.Linear(3, 4),
                                 torch.nn.Linear(4, 2))
     model[2].bias.requires_grad_(False)
-    opt = gp.CLAN(model.named_parameters(), weight_decay=0.05, communicate=communicate)
+    opt = factory(model.named_parameters(), weight_decay=0.05)
     flat = [(p, g["weight_decay"]) for g in opt.param_groups for p in g["params"]]
     want = [(model[1].weight, 0.05), (model[2].weight, 0.05), (model[0].weight, 0.0),
             (model[0].bias, 0.0), (model[1].bias, 0.0)]

@@ -110,11 +110,11 @@ def assert_close_list(got, want, rtol, atol):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("freeze_step", [1, 3])
-def test_lans_freeze_step_matches_reference(dtype, tol, freeze_step):
-    """v stops at freeze_step (per tensor's own step count; some tensors skip steps)."""
+def test_lans_freeze_variance_after_matches_reference(dtype, tol, freeze_step):
+    """v stops after that step (per tensor's own step count; some tensors skip steps)."""
     params, seq = make_params(dtype), make_grads()
     opt = LANS(params, lr=0.02, betas=(0.8, 0.95), weight_decay=0.05, normalize_grad=False,
-               freeze_step=freeze_step)
+               freeze_variance_after=freeze_step)
     run(opt, params, seq)
     want = ref_layerwise(params=make_params(), seq=seq, lr=0.02, betas=(0.8, 0.95), eps=1e-6,
                          wds=[0.05] * len(SHAPES), kind="lans", freeze_step=freeze_step)
@@ -125,9 +125,9 @@ def test_lans_freeze_step_matches_reference(dtype, tol, freeze_step):
     assert any(not torch.allclose(a, b) for a, b in zip(params, free))   # freezing mattered
 
 
-def test_lans_freeze_step_keeps_v_and_survives_old_state_dicts():
+def test_lans_freeze_variance_after_keeps_v_and_survives_old_state_dicts():
     p = torch.nn.Parameter(torch.ones(5))
-    opt = LANS([p], lr=0.01, freeze_step=2)
+    opt = LANS([p], lr=0.01, freeze_variance_after=2)
     for step in range(4):
         p.grad = torch.full((5,), float(step + 1))
         opt.step()
@@ -135,7 +135,7 @@ def test_lans_freeze_step_keeps_v_and_survives_old_state_dicts():
             v2 = opt.state[p]["exp_avg_sq"].clone()
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"], v2, rtol=0, atol=0)
     saved = opt.state_dict()
-    del saved["param_groups"][0]["freeze_step"]          # written before the option existed
+    del saved["param_groups"][0]["freeze_variance_after"]  # written before the option existed
     fresh = LANS([p], lr=0.01)
     fresh.load_state_dict(saved)
     p.grad = torch.ones(5)
@@ -144,9 +144,16 @@ def test_lans_freeze_step_keeps_v_and_survives_old_state_dicts():
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
-def test_lans_rejects_bad_freeze_step(bad):
-    with pytest.raises(ValueError, match="freeze_step must be None or an int >= 1"):
-        LANS([torch.nn.Parameter(torch.ones(2))], freeze_step=bad)
+def test_lans_rejects_bad_freeze_variance_after(bad):
+    with pytest.raises(ValueError, match="freeze_variance_after must be None or an int >= 1"):
+        LANS([torch.nn.Parameter(torch.ones(2))], freeze_variance_after=bad)
+
+
+@pytest.mark.parametrize("factory", [LANS, clan, OneBitAdam, OneBitLANS])
+def test_old_freeze_step_name_is_rejected(factory):
+    # one name for the dense phase (dense_steps); LANS's own freeze is freeze_variance_after
+    with pytest.raises(TypeError, match="freeze_step"):
+        factory(make_params(), freeze_step=2)
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
 @pytest.mark.parametrize("normalize", [True, False])
@@ -257,7 +264,7 @@ def test_sparse_gradient_rejected():
 def _pair(wd: float, freeze: int):
     """Two copies of the same parameters; OneBitAdam on one, torch Adam/AdamW on the other."""
     a, b = make_params(torch.float32), make_params(torch.float32)
-    ours = OneBitAdam(a, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=wd, freeze_step=freeze)
+    ours = OneBitAdam(a, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=wd, dense_steps=freeze)
     ref_cls = torch.optim.AdamW if wd else torch.optim.Adam
     ref = ref_cls(b, lr=0.01, betas=(0.8, 0.99), eps=1e-8, weight_decay=wd, foreach=False)
     return a, b, ours, ref
@@ -280,7 +287,7 @@ def test_onebit_adam_compression_stage():
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitAdam(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, freeze_step=2,
+    opt = OneBitAdam(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, dense_steps=2,
                      communicate=communicate)
     seq = make_grads(steps=4)
     run(opt, params, seq[:2])
@@ -316,7 +323,7 @@ def test_onebit_adam_handles_and_deepspeed_mode():
         def wait(self):
             return self.t.clone()
 
-    opt = OneBitAdam(params, lr=0.01, freeze_step=1, bias_correction=False,
+    opt = OneBitAdam(params, lr=0.01, dense_steps=1, bias_correction=False,
                      communicate=lambda key, m: Handle(m))
     seq = make_grads(steps=3)
     run(opt, params, seq)
@@ -339,7 +346,7 @@ def test_onebit_adam_communicate_checks():
     with pytest.raises(TypeError, match="communicate"):
         OneBitAdam(make_params(), communicate=3)
     params = make_params()
-    opt = OneBitAdam(params, freeze_step=1, communicate=lambda key, m: m[:1])
+    opt = OneBitAdam(params, dense_steps=1, communicate=lambda key, m: m[:1])
     run(opt, params, make_grads(steps=1))
     with pytest.raises(TypeError, match="shape"):
         run(opt, params, make_grads(steps=1))
@@ -350,7 +357,7 @@ def test_onebit_adam_communicate_checks():
 @pytest.mark.parametrize("normalize", [True, False])
 def test_onebit_lans_warmup_equals_lans(normalize):
     a, b = make_params(torch.float32), make_params(torch.float32)
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, normalize_grad=normalize, freeze_step=4)
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, normalize_grad=normalize, dense_steps=4)
     ref = LANS(b, lr=0.01, weight_decay=0.01, normalize_grad=normalize)
     seq = make_grads(steps=4)
     run(ours, a, seq)
@@ -367,9 +374,9 @@ def test_onebit_lans_compression_stage(normalize, blend, precondition):
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, freeze_step=2,
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, dense_steps=2,
                      normalize_grad=normalize, communicate=communicate, blend=blend,
-                     precondition=precondition)
+                     precondition=precondition, variance="frozen")
     seq = make_grads(steps=3)
     run(opt, params, seq[:2])
     assert opt.compression_active and not calls
@@ -399,11 +406,19 @@ def test_onebit_lans_compression_stage(normalize, blend, precondition):
     assert torch.equal(params[1].detach(), x_prev[1])                     # no gradient: no step
 
 
+def test_onebit_lans_defaults_are_gp_onebit_lans_algorithm():
+    # each worker's own v, LAMB's step after the dense phase: what gp.OneBitLANS builds
+    opt = OneBitLANS(make_params())
+    assert (opt.variance, opt.blend, opt.precondition, opt.sends, opt.ef21,
+            opt.refresh_every) == ("local", False, True, "momentum", False, None)
+    assert opt.param_groups[0]["dense_steps"] == 100
+
+
 def test_onebit_lans_checks():
-    with pytest.raises(ValueError, match="freeze_step"):
-        OneBitLANS(make_params(), freeze_step=0)
-    with pytest.raises(ValueError, match="freeze_step"):
-        OneBitLANS(make_params(), freeze_step=None)
+    with pytest.raises(ValueError, match="dense_steps"):
+        OneBitLANS(make_params(), dense_steps=0)
+    with pytest.raises(ValueError, match="dense_steps"):
+        OneBitLANS(make_params(), dense_steps=None)
     with pytest.raises(TypeError, match="communicate"):
         OneBitLANS(make_params(), communicate="no")
     with pytest.raises(TypeError, match="blend"):
@@ -417,7 +432,7 @@ def test_onebit_lans_checks():
                                              f"{bad!r}"):
             OneBitLANS(make_params(), refresh_every=bad)
     params = make_params()
-    opt = OneBitLANS(params, freeze_step=1, communicate=lambda key, m: m[:1])
+    opt = OneBitLANS(params, dense_steps=1, communicate=lambda key, m: m[:1])
     run(opt, params, make_grads(steps=1))
     with pytest.raises(TypeError, match="shape"):
         run(opt, params, make_grads(steps=1))
@@ -427,8 +442,9 @@ def test_onebit_lans_sends_gradient():
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), freeze_step=2, sends="gradient",
-                     normalize_grad=False, communicate=communicate)
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), dense_steps=2, sends="gradient",
+                     normalize_grad=False, communicate=communicate, variance="frozen",
+                     blend=True)
     seq = make_grads(steps=3)
     run(opt, params, seq[:2])
     v = [opt.state[p]["exp_avg_sq"].clone() for p in params]
@@ -447,8 +463,9 @@ def test_onebit_lans_blend_lossless_equals_frozen_lans(sends, ef21):
     # With exact communication the recovered gradient is the gradient: the blend step equals
     # LANS with v frozen at the same step (EF21's estimate is then the average itself).
     a, b = make_params(), make_params()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, sends=sends, ef21=ef21)
-    ref = LANS(b, lr=0.01, weight_decay=0.01, freeze_step=2, fused=False)
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, sends=sends, ef21=ef21,
+                      variance="frozen", blend=True)
+    ref = LANS(b, lr=0.01, weight_decay=0.01, freeze_variance_after=2, fused=False)
     seq = make_grads(steps=5)
     run(ours, a, seq)
     run(ref, b, seq)
@@ -460,8 +477,8 @@ def test_onebit_lans_refresh_every_step_is_lans(blend):
     # A refresh at every step after the warm-up updates v with weight 1-b2 each step: LANS.
     a, b = make_params(), make_params()
     calls, communicate = halving_recorder()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, refresh_every=1,
-                      communicate=communicate, blend=blend)
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, refresh_every=1,
+                      communicate=communicate, blend=blend, variance="frozen")
     ref = LANS(b, lr=0.01, weight_decay=0.01, fused=False)
     seq = make_grads(steps=5)
     run(ours, a, seq)
@@ -507,7 +524,7 @@ def _local_variance_reference(params, seq, fs, blend, lr=0.01, wd=0.01, b1=0.9, 
 @pytest.mark.parametrize("blend", [True, False])
 def test_onebit_lans_local_variance_lossless_matches_reference(blend):
     a, b = make_params(), make_params()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, freeze_step=2, variance="local",
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, variance="local",
                       blend=blend)
     seq = make_grads(steps=6)
     seq[2][1] = seq[3][1].clone()      # every tensor at the same step (as in a distributed run)
@@ -520,8 +537,8 @@ def test_onebit_lans_local_variance_lossless_matches_reference(blend):
 def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_its_units():
     params = make_params()
     calls, communicate = halving_recorder()
-    opt = OneBitLANS(params, lr=0.01, weight_decay=0.01, freeze_step=1, variance="local",
-                     communicate=communicate)
+    opt = OneBitLANS(params, lr=0.01, weight_decay=0.01, dense_steps=1, variance="local",
+                     communicate=communicate, blend=True)
     seq = make_grads(steps=3)
     seq[2][1] = seq[1][1].clone()
     run(opt, params, seq)
@@ -532,7 +549,7 @@ def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_i
         sent = calls[4 + i][1]
         torch.testing.assert_close(st["shared_momentum"], 0.5 * sent)   # what came back
         torch.testing.assert_close(st["exp_avg"], 0.5 * sent * d)      # m = a*d, local units
-    restored = OneBitLANS(make_params(), freeze_step=1, variance="local")
+    restored = OneBitLANS(make_params(), dense_steps=1, variance="local", blend=True)
     restored.load_state_dict(opt.state_dict())
     assert "shared_momentum" in restored.state[restored.param_groups[0]["params"][0]]
 
@@ -552,8 +569,8 @@ def test_onebit_lans_rejects_bad_variance(kwargs, needle):
 def test_onebit_lans_refresh_step_updates_v_for_the_skipped_steps():
     params = make_params()
     calls, communicate = halving_recorder()
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.0, freeze_step=2,
-                     refresh_every=2, communicate=communicate, blend=False)
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.0, dense_steps=2,
+                     refresh_every=2, communicate=communicate, blend=False, variance="frozen")
     seq = make_grads(steps=5)
     seq[2][1] = seq[3][1].clone()      # every tensor at the same step (as in a distributed run)
     run(opt, params, seq[:2])
@@ -587,8 +604,8 @@ def test_onebit_lans_ef21_sends_differences_and_keeps_momenta_local():
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), freeze_step=2, ef21=True, blend=False,
-                     communicate=communicate)
+    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), dense_steps=2, ef21=True, blend=False,
+                     communicate=communicate, variance="frozen")
     seq = make_grads(steps=4)
     run(opt, params, seq[:2])
     m0 = {i: opt.state[params[i]]["exp_avg"].clone() for i in (0, 2, 3)}
@@ -621,8 +638,8 @@ def test_onebit_lans_ef21_estimate_converges_under_a_contractive_codec():
     errs = {}
     for ef21 in (False, True):
         params = make_params()
-        opt = OneBitLANS(params, lr=0.0, freeze_step=1, ef21=ef21, communicate=sign,
-                         weight_decay=0.0, precondition=False)
+        opt = OneBitLANS(params, lr=0.0, dense_steps=1, ef21=ef21, communicate=sign,
+                         weight_decay=0.0, precondition=False, variance="frozen")
         fixed = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i),
                              dtype=p.dtype) for i, p in enumerate(params)]
         run(opt, params, [fixed] * 120)
@@ -639,12 +656,14 @@ def test_onebit_lans_ef21_estimate_converges_under_a_contractive_codec():
     lambda ps: LANS(ps, lr=0.01, weight_decay=0.01),
     lambda ps: clan(ps, lr=0.01),
     lambda ps: LAMB(ps, lr=0.01),
-    lambda ps: OneBitAdam(ps, lr=0.01, weight_decay=0.01, freeze_step=3),
-    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2),
-    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=2, ef21=True,
-                          communicate=lambda key, t: t.abs().mean() * torch.sign(t)),
-    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, freeze_step=1, refresh_every=2,
-                          communicate=lambda key, t: t.abs().mean() * torch.sign(t)),
+    lambda ps: OneBitAdam(ps, lr=0.01, weight_decay=0.01, dense_steps=3),
+    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=2),
+    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=2, ef21=True,
+                          communicate=lambda key, t: t.abs().mean() * torch.sign(t),
+                          variance="frozen"),
+    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=1, refresh_every=2,
+                          communicate=lambda key, t: t.abs().mean() * torch.sign(t),
+                          variance="frozen"),
 ], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans", "onebit_lans_ef21",
         "onebit_lans_refresh"])
 def test_state_dict_round_trip_continues_identically(factory):
@@ -687,8 +706,8 @@ def test_invalid_hyperparameters_raise(cls, kwargs, name):
     (LANS, {"min_trust": -1.0}, "min_trust"),
     (LAMB, {"min_trust": 2.0, "max_trust": 1.0}, "min_trust"),
     (LANS, {"normalize_grad": "yes"}, "normalize_grad"),
-    (OneBitAdam, {"freeze_step": 0}, "freeze_step"),
-    (OneBitAdam, {"freeze_step": 2.5}, "freeze_step"),
+    (OneBitAdam, {"dense_steps": 0}, "dense_steps"),
+    (OneBitAdam, {"dense_steps": 2.5}, "dense_steps"),
 ])
 def test_invalid_specific_hyperparameters_raise(cls, kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -54,10 +54,10 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("args, first", [
-    # 1-bit LANS communicates its momentum from step freeze_step on
-    (["--optimizer", "onebit-lans", "--freeze-step", "3"], 3),
+    # 1-bit LANS communicates its momentum from step dense_steps on
+    (["--optimizer", "onebit-lans", "--dense-steps", "3"], 3),
     # LANS behind DistributedOptimizer: 2 uncompressed steps on the '@dense' keys, then gradients
-    (["--optimizer", "lans", "--uncompressed-steps", "2"], 2),
+    (["--optimizer", "lans", "--dense-steps", "2"], 2),
 ], ids=["momentum", "gradient"])
 def test_corrected_error_feedback_gets_the_lr_of_the_step_it_pushes(
         tmp_path: Path, args: list[str], first: int) -> None:

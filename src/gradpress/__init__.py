@@ -1,12 +1,14 @@
 """gradpress: data-parallel PyTorch training with two-way compressed communication.
 
-The public API (see the README and ``docs/``)::
+The public API (see ``docs/reference/api.md``)::
 
     import gradpress as gp
     gp.init(); gp.rank(); gp.size(); gp.local_rank()
     y = gp.push_pull(t, name="w", average=True, compression="onebit", ef="vanilla")
     h = gp.push_pull_async(t, name="w"); y = h.wait()
     opt = gp.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters(), ...)
+    opt = gp.CLAN(model.named_parameters(), lr=1e-3, compression="onebit")       # the paper's
+    opt = gp.OneBitLANS(model.named_parameters(), lr=1e-3, compression="onebit")  # transformers
     gp.broadcast_parameters(model.state_dict(), root_rank=0)
     gp.stats(); gp.shutdown()
 """
@@ -38,6 +40,7 @@ _LAZY = {
     "load_server_state": "gradpress.api",
     "DistributedOptimizer": "gradpress.torch.optimizer",
     "CLAN": "gradpress.torch.clan",
+    "OneBitLANS": "gradpress.torch.clan",
     "broadcast_parameters": "gradpress.torch.broadcast",
     "broadcast_optimizer_state": "gradpress.torch.broadcast",
     "broadcast_object": "gradpress.torch.broadcast",

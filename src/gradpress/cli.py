@@ -50,7 +50,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR",
                    help="resume from the checkpoint in DIR: sets GRADPRESS_RESUME=DIR for every "
                         "process; servers load their state from it at start, the training "
-                        "script calls gradpress.checkpoint.load (docs/checkpoints.md)")
+                        "script calls gradpress.checkpoint.load (docs/design.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ... run by each worker")
     return p
 
@@ -141,7 +141,8 @@ def _add_train(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a bundled task (or your script) on a local cluster",
         description="Start a local cluster, train with compressed communication, and write "
-                    "metrics.jsonl, report.json and plots to the run directory (docs/train.md).",
+                    "metrics.jsonl, report.json and plots to the run directory "
+                    "(docs/reference/cli.md).",
         epilog="examples:\n  gradpress train --task digits-cnn --compression onebit "
                "--optimizer clan --lr 0.004\n  gradpress train --compression onebit --lr 0.004 "
                "--steps 500 -- python my_train.py",
@@ -161,7 +162,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="digits CNN uncompressed, CLAN onebit, CLAN topk 0.1%% side by side",
         description="Train digits-cnn uncompressed, with CLAN onebit and with CLAN topk 0.1% "
-                    "fp16 in one local cluster; print a table and write plots (docs/train.md).")
+                    "fp16 in one local cluster; print a table and write plots "
+                    "(docs/reference/cli.md).")
     return add_demo_arguments(p)
 
 

@@ -63,11 +63,12 @@ class TwoWayCompressionState:
        with a plain allreduce, and shards below it travel as fp32. Small tensors gain little from
        compression and pay its per-call cost; raise it if compression time shows up in profiles,
        lower it (0 compresses everything) if the network is the bottleneck.
-    4. ``start_compress_iter`` (default 0): iterations averaged with a plain allreduce before
-       compression starts. A few hundred uncompressed warm-up steps (as 1-bit Adam does) help
+    4. ``dense_steps`` (default 0): iterations averaged with a plain allreduce before
+       compression starts. A few hundred uncompressed opening steps (as 1-bit Adam does) help
        adaptive optimizers; set it to at least the learning-rate warm-up length when accuracy
-       suffers early. Any value >= 1 also skips DDP's first iteration, after which DDP rebuilds
-       its buckets (a rebuilt bucket gets new codecs, and its residuals restart from zero).
+       suffers early (``docs/guide.md``). Any value >= 1 also skips DDP's first iteration,
+       after which DDP rebuilds its buckets (a rebuilt bucket gets new codecs, and its
+       residuals restart from zero).
     5. ``seed`` (default 0): base seed of codecs that draw random numbers (randomk); the same on
        every rank.
     6. ``overlap`` (default True): finish each bucket while the next one is being produced (see
@@ -82,23 +83,23 @@ class TwoWayCompressionState:
     """
 
     __slots__ = ("process_group", "_lr", "_spec", "_ef", "_min_compress_bytes",
-                 "_start_compress_iter", "_seed", "_overlap", "iter", "_buckets", "_steps",
+                 "_dense_steps", "_seed", "_overlap", "iter", "_buckets", "_steps",
                  "_loaded", "_inflight", "_stats", "_error")
 
     def __init__(self, spec: str = "onebit", ef: str | EFSpec | None = "vanilla", *,
-                 min_compress_bytes: int = 1 << 20, start_compress_iter: int = 0, seed: int = 0,
+                 min_compress_bytes: int = 1 << 20, dense_steps: int = 0, seed: int = 0,
                  overlap: bool = True, lr: float | None = None, process_group: Any = None) -> None:
         if not isinstance(spec, str):
             raise TypeError(f"TwoWayCompressionState: spec must be a spec string such as "
                             f"'onebit', got {type(spec).__name__}")
         for name, v in (("min_compress_bytes", min_compress_bytes),
-                        ("start_compress_iter", start_compress_iter), ("seed", seed)):
+                        ("dense_steps", dense_steps), ("seed", seed)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TwoWayCompressionState: {name} must be an int >= 0, got {v!r}")
         build(spec, 16, ef=ef, seed=seed)  # validates spec and ef now (ValueError names them)
         self._spec, self._ef, self._seed = spec, ef, seed
         self._min_compress_bytes = min_compress_bytes
-        self._start_compress_iter = start_compress_iter
+        self._dense_steps = dense_steps
         self._overlap = bool(overlap)
         self.process_group = process_group
         self.lr = lr
@@ -117,7 +118,7 @@ class TwoWayCompressionState:
     spec = property(lambda self: self._spec, doc="codec spec string")
     ef = property(lambda self: self._ef, doc="error-feedback kind (both sides)")
     min_compress_bytes = property(lambda self: self._min_compress_bytes)
-    start_compress_iter = property(lambda self: self._start_compress_iter)
+    dense_steps = property(lambda self: self._dense_steps)
     seed = property(lambda self: self._seed)
     overlap = property(lambda self: self._overlap)
 
@@ -194,7 +195,7 @@ class TwoWayCompressionState:
         log.info("TwoWayCompressionState: the process group is not pickled; the default group "
                  "is used after unpickling unless process_group is set")
         hyper = {n: getattr(self, n) for n in ("spec", "ef", "min_compress_bytes",
-                                               "start_compress_iter", "seed", "overlap", "lr")}
+                                               "dense_steps", "seed", "overlap", "lr")}
         return {"hyper": hyper, "state": self.state_dict()}
 
     def __setstate__(self, d: Mapping[str, Any]) -> None:
@@ -340,7 +341,7 @@ def two_way_compression_hook(
     and the state refuses further buckets (:class:`~gradpress.ps.errors.GradpressError`).
 
     Buckets below ``state.min_compress_bytes`` and iterations before
-    ``state.start_compress_iter`` use a plain averaging allreduce.
+    ``state.dense_steps`` use a plain averaging allreduce.
 
     Overlap (``state.overlap=True``): steps 1-3 run when DDP hands over the bucket; steps 4-5 run
     at the next hook call (or at once for the last bucket of the iteration), and step 6 when the
@@ -370,7 +371,7 @@ def two_way_compression_hook(
     state._check_usable(bucket.index())
     try:
         state._drain()  # steps 4-5 of the previous bucket, before any new collective
-        if state.iter >= state.start_compress_iter \
+        if state.iter >= state.dense_steps \
                 and buf.numel() * 4 >= max(state.min_compress_bytes, 1):
             fut = state._launch(bucket, group)
             if bucket.is_last() or not state.overlap:

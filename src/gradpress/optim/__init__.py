@@ -2,7 +2,8 @@
 
 They are plain single-process ``torch.optim.Optimizer`` subclasses that read ``p.grad``; the
 distributed layer (:class:`gradpress.DistributedOptimizer`) puts the averaged, decompressed
-gradient there before ``step()``. See ``docs/optimizers.md`` for the math and tuning advice.
+gradient there before ``step()``. See ``docs/reference/api.md`` for the math and
+``docs/guide.md`` for choosing one.
 
     from gradpress.optim import LANS, LAMB, OneBitAdam, clan
 """
@@ -47,7 +48,7 @@ def weight_decay_groups(params: Iterable[torch.nn.Parameter],
 
 def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
          eps: float = 1e-6, weight_decay: float = 0.01, min_trust: float | None = None,
-         max_trust: float | None = None, freeze_step: int | None = None) -> LANS:
+         max_trust: float | None = None) -> LANS:
     """The optimizer half of CLAN: :class:`LANS` with per-layer gradient normalisation off.
 
     CLAN (Zhong, Xie, Zheng, Lin 2021, "Compressed Communication for Distributed Training:
@@ -74,8 +75,6 @@ def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (
         weight_decay: decoupled weight decay, >= 0 (use a group with 0 for biases/LayerNorm).
         min_trust: optional lower bound of the LANS trust ratios.
         max_trust: optional upper bound of the LANS trust ratios.
-        freeze_step: None, or freeze the second moment after this many steps (usually the
-            uncompressed warm-up steps; see :class:`LANS`).
 
     Returns:
         A :class:`LANS` with ``normalize_grad=False``.
@@ -84,5 +83,4 @@ def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (
         ValueError: a hyperparameter is out of range.
     """
     return LANS(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                normalize_grad=False, min_trust=min_trust, max_trust=max_trust,
-                freeze_step=freeze_step)
+                normalize_grad=False, min_trust=min_trust, max_trust=max_trust)

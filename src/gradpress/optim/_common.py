@@ -129,24 +129,24 @@ def buckets(group: dict[str, Any], state: Any, owner: str,
 
 
 def moments_(b: Bucket, grads: list[torch.Tensor], beta1: float, beta2: float,
-             update_variance: bool = True, freeze_step: int | None = None) -> None:
+             update_variance: bool = True, frozen_after: int | None = None) -> None:
     """In place: m = b1*m + (1-b1)*g and (unless frozen) v = b2*v + (1-b2)*g*g.
 
-    With ``freeze_step``, ``v`` of a tensor whose step is past it stays as it was.
+    With ``frozen_after``, ``v`` of a tensor whose step is past it stays as it was.
     """
     torch._foreach_lerp_(b.exp_avgs, grads, 1.0 - beta1)
     if not update_variance:
         return
-    live = [i for i, t in enumerate(b.steps) if freeze_step is None or t <= freeze_step]
+    live = [i for i, t in enumerate(b.steps) if frozen_after is None or t <= frozen_after]
     vs, gs = [b.exp_avg_sqs[i] for i in live], [grads[i] for i in live]
     if vs:
         torch._foreach_mul_(vs, beta2)
         torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
 
 
-def variance_step(t: int, freeze_step: int | None) -> int:
-    """The step that ``v``'s bias correction uses: ``t``, or ``freeze_step`` once ``v`` froze."""
-    return t if freeze_step is None else min(t, freeze_step)
+def variance_step(t: int, frozen_after: int | None) -> int:
+    """The step that ``v``'s bias correction uses: ``t``, or ``frozen_after`` once ``v`` froze."""
+    return t if frozen_after is None else min(t, frozen_after)
 
 
 def norms(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -245,14 +245,14 @@ class BucketedOptimizer(torch.optim.Optimizer):
 
 
 def adam_denominators(b: Bucket, beta2: float, eps: float, bias_correction: bool = True,
-                      freeze_step: int | None = None) -> tuple[list[torch.Tensor], list[float]]:
+                      frozen_after: int | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """``d = sqrt(v) + eps*s`` with ``s = sqrt(1-b2^t)`` (1 without bias correction), and ``s``.
 
     Since ``d = s * (sqrt(v/(1-b2^t)) + eps)``, a direction ``a/(sqrt(vh)+eps)`` is
     ``a*s/d``: one pass fewer than dividing ``v`` by its bias correction first. With
-    ``freeze_step``, ``t`` stops at it (see :func:`variance_step`).
+    ``frozen_after``, ``t`` stops at it (see :func:`variance_step`).
     """
-    s = [math.sqrt(1.0 - beta2 ** variance_step(t, freeze_step)) if bias_correction else 1.0
+    s = [math.sqrt(1.0 - beta2 ** variance_step(t, frozen_after)) if bias_correction else 1.0
          for t in b.steps]
     d = torch._foreach_sqrt(b.exp_avg_sqs)
     torch._foreach_add_(d, [eps * si for si in s])
@@ -323,12 +323,12 @@ def _flat(t: torch.Tensor) -> Any:
 
 
 def fused_layerwise_(b: Bucket, group: dict[str, Any], blend: bool, normalize: bool = False,
-                     bias_correction: bool = True, freeze_step: int | None = None) -> None:
+                     bias_correction: bool = True, frozen_after: int | None = None) -> None:
     """One LANS (``blend``) or LAMB step of every tensor of ``b`` with the fused kernel.
 
     Same arithmetic as the foreach path (see :mod:`gradpress.optim.kernels`); the scalars
     ``s = sqrt(1-b2^t)`` and ``s/(1-b1^t)`` are computed in double as
-    :func:`adam_denominators` and the directions do. A tensor past ``freeze_step`` keeps its
+    :func:`adam_denominators` and the directions do. A tensor past ``frozen_after`` keeps its
     ``v``: the kernel's ``b2`` becomes 1 and ``1-b2`` 0, so ``v = fma(0*g, g, v*1) = v``.
     """
     beta1, beta2 = group["betas"]
@@ -336,7 +336,7 @@ def fused_layerwise_(b: Bucket, group: dict[str, Any], blend: bool, normalize: b
     for p, g, m, v, t in zip(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps):
         h = by_step.get(t)
         if h is None:
-            tv = variance_step(t, freeze_step)
+            tv = variance_step(t, frozen_after)
             s = math.sqrt(1.0 - beta2 ** tv) if bias_correction else 1.0
             kr = s / (1.0 - beta1 ** t) if bias_correction else 1.0
             h = by_step[t] = kernels.coeffs(beta1, beta2, group["eps"], group["weight_decay"],

@@ -4,7 +4,7 @@ Reference: Shuai Zheng, Haibin Lin, Sheng Zha, Mu Li, "Accelerated Large Batch O
 of BERT Pretraining in 54 Minutes", arXiv:2006.13484 (2020), Algorithm 2. CLAN is the adaptive
 method of Zhong, Xie, Zheng, Lin, "Compressed Communication for Distributed Training: Adaptive
 Methods and System" (2021): LANS with the per-layer gradient normalisation turned off, driven by
-the two-way, error-feedback compressed gradient (see ``docs/optimizers.md``).
+the two-way, error-feedback compressed gradient (see ``docs/reference/api.md``).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ class LANS(BucketedOptimizer):
        clamped to ``[min_trust, max_trust]`` when given.
     7. Update: ``x = x - lr*b1*q_r*r - lr*(1-b1)*q_c*c``.
 
-    With ``freeze_step`` (None by default), a tensor's ``v`` stops changing after its
-    ``freeze_step``-th step and its bias correction stays ``1-b2^freeze_step`` (step 2 updates
-    only ``m``; step 3 uses ``min(t, freeze_step)`` for ``v``), as 1-bit Adam and DeepSpeed's
-    1-bit LAMB do once compression starts: a sign- or top-k-compressed gradient is a poor
-    estimate of the per-element second moment.
+    With ``freeze_variance_after=N`` (None by default), a tensor's ``v`` stops changing after
+    its ``N``-th step and its bias correction stays ``1-b2^N`` (step 2 updates only ``m``;
+    step 3 uses ``min(t, N)`` for ``v``), as 1-bit Adam and DeepSpeed's 1-bit LAMB do once
+    compression starts: a sign- or top-k-compressed gradient is a poor estimate of the
+    per-element second moment.
 
     The trust ratios make the step of every layer proportional to that layer's weight norm, so
     one learning rate serves embeddings, attention and LayerNorm weights alike; this is what
@@ -79,9 +79,9 @@ class LANS(BucketedOptimizer):
       scale (useful with loss scaling or very large batches). Turn it off (CLAN) when the
       gradient comes through compression with error feedback: normalising a compressed
       gradient per layer would rescale the residual that the error feedback carries over.
-    * ``freeze_step``: None (LANS proper). Set it to the number of uncompressed warm-up steps
-      when the gradient is compressed afterwards, so ``v`` keeps the dense gradient's
-      per-element scale (measured in ``docs/convergence.md``).
+    * ``freeze_variance_after``: None (LANS proper, and what ``gp.CLAN`` uses). An experiment
+      switch: set to the number of dense steps, ``v`` keeps the dense gradient's per-element
+      scale once the gradient is compressed.
     * ``min_trust``/``max_trust``: None (unbounded) unless some layer's weight norm is near 0
       at initialisation and its step gets too small (``min_trust``), or a layer with a tiny
       update direction explodes (``max_trust``, e.g. 10).
@@ -104,7 +104,8 @@ class LANS(BucketedOptimizer):
         normalize_grad: divide each tensor's gradient by its L2 norm first (step 1).
         min_trust: optional lower bound of the trust ratios (step 6).
         max_trust: optional upper bound of the trust ratios (step 6).
-        freeze_step: None, or an int >= 1: ``v`` is frozen after this many steps of a tensor.
+        freeze_variance_after: None, or an int >= 1: ``v`` is frozen after this many steps of
+            a tensor.
         fused: None (default) picks the fused CPU kernel for every bucket of contiguous float32
             CPU tensors and the foreach path for the rest; True requires the fused kernel
             (ValueError for a parameter, gradient or moment it cannot take); False always uses
@@ -124,10 +125,15 @@ class LANS(BucketedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, normalize_grad: bool = True,
                  min_trust: float | None = None, max_trust: float | None = None,
-                 fused: bool | None = None, freeze_step: int | None = None) -> None:
+                 fused: bool | None = None, freeze_variance_after: int | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         normalize_grad=normalize_grad, min_trust=min_trust, max_trust=max_trust,
-                        freeze_step=freeze_step)
+                        freeze_variance_after=freeze_variance_after)
+        self._setup(params, defaults, fused)
+
+    def _setup(self, params: Iterable[Any], defaults: dict[str, Any], fused: bool | None) -> None:
+        """Check ``fused`` and ``defaults``, then build the param groups (subclasses add their
+        own defaults before calling it)."""
         check_fused(fused)
         self.fused = fused
         self._check_group(defaults)
@@ -138,9 +144,9 @@ class LANS(BucketedOptimizer):
         if not isinstance(group["normalize_grad"], bool):
             raise ValueError(f"normalize_grad must be a bool, got {group['normalize_grad']!r}")
         check_trust(group["min_trust"], group["max_trust"])
-        fs = group.setdefault("freeze_step", None)
+        fs = group.setdefault("freeze_variance_after", None)
         if fs is not None and (not isinstance(fs, int) or isinstance(fs, bool) or fs < 1):
-            raise ValueError(f"freeze_step must be None or an int >= 1, got {fs!r}")
+            raise ValueError(f"freeze_variance_after must be None or an int >= 1, got {fs!r}")
         self._check_fused_params(group)
 
     @staticmethod
@@ -151,19 +157,20 @@ class LANS(BucketedOptimizer):
         return torch._foreach_div(grads, list(n.unbind()))
 
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
+        frozen = group.get("freeze_variance_after")
         if use_fused(b, self.fused, type(self).__name__):
             # Steps 1-7 per tensor in two passes (gradpress.optim.kernels).
             fused_layerwise_(b, group, blend=True, normalize=group["normalize_grad"],
-                             freeze_step=group.get("freeze_step"))
+                             frozen_after=frozen)
             return
         beta1, beta2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
         # Step 1: per-layer gradient normalisation (a copy; p.grad stays as it was).
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        # Step 2: first and second moments, in place in the state (v not past freeze_step).
-        moments_(b, g, beta1, beta2, freeze_step=group.get("freeze_step"))
+        # Step 2: first and second moments (v frozen after freeze_variance_after).
+        moments_(b, g, beta1, beta2, frozen_after=frozen)
         # Step 3: d = s*(sqrt(vh) + eps) with s = sqrt(1 - b2^t), per tensor's own t.
-        d, s = adam_denominators(b, beta2, group["eps"], freeze_step=group.get("freeze_step"))
+        d, s = adam_denominators(b, beta2, group["eps"], frozen_after=frozen)
         # Step 4: r = mh/(sqrt(vh)+eps) + wd*x = m * s/(1 - b1^t) / d + wd*x.
         r = direction(b.exp_avgs, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],
                       b.params, wd)

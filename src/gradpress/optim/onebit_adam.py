@@ -1,4 +1,5 @@
-"""1-bit Adam: full-precision Adam warm-up, then frozen variance and communicated momentum.
+"""1-bit Adam: full-precision Adam for ``dense_steps``, then frozen variance and communicated
+momentum.
 
 Reference: Hanlin Tang, Shaoduo Gan, Ammar Ahmad Awan, Samyam Rajbhandari, Conglong Li,
 Xiangru Lian, Ji Liu, Ce Zhang, Yuxiong He, "1-bit Adam: Communication Efficient Large-Scale
@@ -24,7 +25,7 @@ Communicate = Callable[[str, torch.Tensor], Any]
 
 def _split(b: Bucket, first: Callable[[int], bool]) -> tuple[Bucket, Bucket]:
     """Split a bucket into (tensors whose step ``t`` has ``first(t)``, the others), e.g.
-    (warm-up tensors, compression-stage tensors)."""
+    (dense-phase tensors, compression-stage tensors)."""
     warm, comp = Bucket(), Bucket()
     for i, t in enumerate(b.steps):
         dst = warm if first(t) else comp
@@ -56,21 +57,21 @@ class OneBitAdam(BucketedOptimizer):
 
     Per parameter tensor ``x`` at its step ``t`` with ``g = p.grad``:
 
-    1. Warm-up, ``t <= freeze_step``: plain Adam on ``g``, which the caller has averaged over
+    1. Dense phase, ``t <= dense_steps``: plain Adam on ``g``, which the caller has averaged over
        workers *uncompressed*: ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``.
-    2. Compression stage, ``t > freeze_step``: ``v`` is frozen (with its bias correction
-       ``1-b2^freeze_step``); ``g`` is the worker's *local* gradient; the local momentum
+    2. Compression stage, ``t > dense_steps``: ``v`` is frozen (with its bias correction
+       ``1-b2^dense_steps``); ``g`` is the worker's *local* gradient; the local momentum
        ``m = b1*m + (1-b1)*g`` is replaced by ``communicate(key, m)``, the average of all
        workers' momenta (the distributed layer compresses it with worker and server error
        feedback; ``None`` means identity, i.e. one process).
     3. Update (both stages, decoupled weight decay):
        ``x = x - lr*(mh/(sqrt(vh)+eps) + wd*x)`` with ``mh = m/(1-b1^t)`` and
-       ``vh = v/(1-b2^min(t, freeze_step))``; without ``bias_correction``, ``mh = m``,
+       ``vh = v/(1-b2^min(t, dense_steps))``; without ``bias_correction``, ``mh = m``,
        ``vh = v`` (exactly DeepSpeed's ``OnebitAdam``).
 
-    Weight decay is *decoupled* (AdamW style): with ``weight_decay=0`` the warm-up equals
+    Weight decay is *decoupled* (AdamW style): with ``weight_decay=0`` the dense phase equals
     ``torch.optim.Adam``, otherwise ``torch.optim.AdamW`` with the same hyperparameters. Bias
-    correction is on by default so that the warm-up is exactly torch's Adam; it is then frozen
+    correction is on by default so that the dense phase is exactly torch's Adam; it is then frozen
     with ``v``, so the step size does not jump when compression starts (DeepSpeed uses no bias
     correction in either stage; pass ``bias_correction=False`` to reproduce it).
 
@@ -84,7 +85,8 @@ class OneBitAdam(BucketedOptimizer):
 
     Tuning advice:
 
-    * ``freeze_step``: long enough for ``v`` to settle: DeepSpeed uses about 15-25% of the
+    * ``dense_steps`` (the full-precision phase DeepSpeed calls ``freeze_step``): long enough
+      for ``v`` to settle: DeepSpeed uses about 15-25% of the
       total steps for BERT pretraining (e.g. 23k of 152k) and a few hundred to a few thousand
       steps for fine-tuning. Too short and the frozen variance is stale: the loss rises after
       the switch. Must be >= 1.
@@ -93,7 +95,7 @@ class OneBitAdam(BucketedOptimizer):
     * ``betas``: ``(0.9, 0.999)``; a high ``b1`` averages out the compression error of the
       momentum, so do not lower it much below 0.9.
     * ``eps``: 1e-8 (Adam's). The frozen ``v`` can be tiny for rarely updated parameters;
-      raise ``eps`` (1e-6) if steps blow up after ``freeze_step``.
+      raise ``eps`` (1e-6) if steps blow up after ``dense_steps``.
     * ``weight_decay``: decoupled, 0.01 for transformers, 0 for biases and LayerNorm (param
       groups).
 
@@ -103,7 +105,7 @@ class OneBitAdam(BucketedOptimizer):
         betas: ``(b1, b2)``, each in [0, 1).
         eps: term added to ``sqrt(vh)``, > 0.
         weight_decay: decoupled weight decay coefficient, >= 0.
-        freeze_step: number of warm-up steps, an int >= 1.
+        dense_steps: number of uncompressed opening steps, an int >= 1.
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
         bias_correction: apply (and freeze) Adam's bias correction.
@@ -115,10 +117,10 @@ class OneBitAdam(BucketedOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, freeze_step: int = 100,
+                 weight_decay: float = 0.0, dense_steps: int = 100,
                  communicate: Communicate | None = None, bias_correction: bool = True) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        freeze_step=freeze_step, bias_correction=bias_correction)
+                        dense_steps=dense_steps, bias_correction=bias_correction)
         self._check_group(defaults)
         super().__init__(params, defaults)
         self.communicate = communicate
@@ -138,7 +140,7 @@ class OneBitAdam(BucketedOptimizer):
     def compression_active(self) -> bool:
         """True when the next ``step()`` runs the compression stage for some parameter.
 
-        That is, some parameter has completed ``freeze_step`` steps: from now on the caller
+        That is, some parameter has completed ``dense_steps`` steps: from now on the caller
         must hand local (not averaged) gradients and let the optimizer communicate momentum.
         """
         for group in self.param_groups:
@@ -148,14 +150,14 @@ class OneBitAdam(BucketedOptimizer):
         return False
 
     def _compresses(self, t: int, group: dict[str, Any]) -> bool:
-        """Whether a tensor's step ``t`` runs the compression stage: past the warm-up."""
-        return t > group["freeze_step"]
+        """Whether a tensor's step ``t`` runs the compression stage: past the dense phase."""
+        return t > group["dense_steps"]
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        fs = group["freeze_step"]
+        fs = group["dense_steps"]
         if isinstance(fs, bool) or not isinstance(fs, int) or fs < 1:
-            raise ValueError(f"freeze_step must be an int >= 1, got {fs!r}")
+            raise ValueError(f"dense_steps must be an int >= 1, got {fs!r}")
         if not isinstance(group["bias_correction"], bool):
             raise ValueError(f"bias_correction must be a bool, got {group['bias_correction']!r}")
 
@@ -165,7 +167,7 @@ class OneBitAdam(BucketedOptimizer):
         loss = self._closure_loss(closure)
         stages = []
         for b, group in self._bucketed():
-            fs = group["freeze_step"]
+            fs = group["dense_steps"]
             warm, comp = _split(b, lambda t, fs=fs: t <= fs)
             beta1, beta2 = group["betas"]
             if warm.params:
@@ -200,7 +202,7 @@ class OneBitAdam(BucketedOptimizer):
     def _apply(b: Bucket, group: dict[str, Any]) -> None:
         """Step 3: x = x*(1 - lr*wd) - lr*mh/(sqrt(vh)+eps), as torch's Adam/AdamW compute it."""
         beta1, beta2 = group["betas"]
-        lr, fs = group["lr"], group["freeze_step"]
+        lr, fs = group["lr"], group["dense_steps"]
         if group["weight_decay"] != 0:
             torch._foreach_mul_(b.params, 1.0 - lr * group["weight_decay"])
         d = torch._foreach_sqrt(b.exp_avg_sqs)

@@ -1,11 +1,10 @@
-"""1-bit LANS: LANS with a dense warm-up, then frozen variance and communicated momentum.
+"""1-bit LANS: LANS for ``dense_steps``, then each worker's momentum communicated compressed.
 
 The 1-bit Adam recipe (Tang et al., ICML 2021, arXiv:2102.02888; :class:`OneBitAdam`) applied to
 LANS (Zheng et al. 2020, arXiv:2006.13484), in the way DeepSpeed's 1-bit LAMB (Li et al. 2021,
-arXiv:2104.06069) applies it to LAMB: what travels compressed after the warm-up is each worker's
-momentum, not its gradient. It is the "compress the momentum instead of the gradient" remedy of
-CLAN's transformer gap (``docs/convergence.md``, section 2.6) and what ``gp.CLAN`` builds by
-default (``communicate="momentum"``).
+arXiv:2104.06069) applies it to LAMB: what travels compressed after the dense phase is each
+worker's momentum, not its gradient. ``gp.OneBitLANS`` wraps it for a cluster; see
+``docs/guide.md`` for when to prefer it to CLAN.
 """
 
 from __future__ import annotations
@@ -41,90 +40,46 @@ class OneBitLANS(LANS):
 
     Per parameter tensor ``x`` at its step ``t`` with ``g = p.grad``:
 
-    1. Warm-up, ``t <= freeze_step``: a :class:`LANS` step (steps 1-7 there, ``normalize_grad``
-       as configured) on ``g``, which the caller averaged over workers *uncompressed*.
-    2. Compression stage, ``t > freeze_step``: ``g`` is the worker's *local* gradient, divided by
-       its norm if ``normalize_grad``; ``v`` is frozen with its bias correction
-       ``1-b2^freeze_step``; the local momentum ``m = b1*m + (1-b1)*g`` is replaced by
-       ``communicate(key, m)``, the average of all workers' momenta (compressed by the
-       distributed layer with worker and server error feedback; None: identity).
-       With ``ef21`` (EF21, Richtarik, Sokolov, Fatkhullin, NeurIPS 2021, arXiv:2106.05203;
-       with momentum: Fatkhullin et al., NeurIPS 2023, arXiv:2305.15155) every worker keeps
-       the same estimate ``h`` of the averaged sent tensor (initialised to the shared momentum
-       when compression starts) and sends only ``sent - h``; the averaged difference ``a``
-       comes back and ``h = h + a`` replaces the average. Whatever a codec drops, on either
-       side, stays in the next difference, so the distributed layer must run *without*
-       residuals (``ef=None``): the estimate is the error feedback.
-    3. Compression-stage update: ``r = mh/(sqrt(vh)+eps) + wd*x`` with ``mh = m/(1-b1^t)``
-       and ``q_r = ||x||/||r||`` (1 where a norm is 0, clamped to the trust bounds).
-       With ``blend`` (LANS's Nesterov-style part), the averaged gradient that no longer
-       travels is recovered from two consecutive averaged momenta,
-       ``gh = (m - b1*m_prev)/(1-b1)`` (exact for a lossless codec), and the update is LANS's
-       step 7 with it: ``c = gh/(sqrt(vh)+eps) + wd*x``, ``q_c = ||x||/||c||``,
-       ``x = x - lr*b1*q_r*r - lr*(1-b1)*q_c*c``. Without ``blend``:
-       ``x = x - lr*q_r*r`` (LAMB's update, as in 1-bit LAMB); the total step is ``lr*||x||``
-       either way.
-    4. Variance refresh (``refresh_every=K``; after 0/1 Adam, Lu et al., ICML 2022,
-       arXiv:2202.06009, which updates the variance only at some steps): every ``K``-th step of
-       the compression stage (``t - freeze_step`` a multiple of ``K``) is dense again: the
-       caller averages gradients uncompressed, as in the warm-up, and
-       ``m = b1*m + (1-b1)*g``; the averaged gradient stands in for every step since ``v``
-       was last updated, ``k`` of them: ``v = b2^k*v + (1-b2^k)*g*g``, whose bias correction
-       is then ``1-b2^t`` as in LANS; the update is step 3's with this ``m`` and ``v``. The
-       EF21 estimates are reset to the (shared) new ``m/d``.
-    5. Local variance (``variance="local"``, instead of step 2's frozen ``v``): each worker
-       keeps updating its own ``v = b2*v + (1-b2)*g*g`` from its local (normalised) gradient,
-       bias-corrected at ``t`` as in LANS, and sends its momentum divided by its own
-       ``d = sqrt(vh)+eps``. What comes back, ``a``, the average of the workers' ``m/d``, is
-       the same on every worker: the update is step 3's with ``r = a*sb + wd*x`` and, with
-       ``blend``, ``c = (a - b1*a_prev)*s/(1-b1) + wd*x`` (``a_prev`` the last step's ``a``,
-       kept in the state as ``shared_momentum``; ``sb``, ``s`` the bias corrections), so the
-       replicas stay identical; each worker's momentum becomes ``m = a*d`` in its own units.
-       With per-layer gradient normalisation a local gradient has the same norm as the
-       averaged one, so the local ``v`` stays on the warm-up's scale; unlike a frozen ``v``
-       it follows the gradients as they change, which keeps ``m/d`` (what the codec sees)
-       even, at no cost on the wire.
+    1. Dense phase, ``t <= dense_steps``: a :class:`LANS` step (steps 1-7 there,
+       ``normalize_grad`` as configured) on ``g``, which the caller averaged over workers
+       *uncompressed*.
+    2. Compression stage, ``t > dense_steps``: ``g`` is the worker's *local* gradient, divided
+       by its norm if ``normalize_grad``. Each worker keeps updating its own
+       ``m = b1*m + (1-b1)*g`` and ``v = b2*v + (1-b2)*g*g``, bias-corrected at ``t`` as in
+       LANS, and sends ``m/d`` with its own ``d = sqrt(vh)+eps`` through
+       ``communicate(key, m/d)`` (compressed by the distributed layer with worker and server
+       error feedback; None: identity). What comes back, ``a``, the average of the workers'
+       ``m/d``, is the same on every worker, so the replicas stay identical; each worker's
+       momentum becomes ``m = a*d`` in its own units.
+    3. Compression-stage update, LAMB's step as in 1-bit LAMB: ``r = a*sb + wd*x``
+       (``sb = 1/(1-b1^t)``, the momentum's bias correction), ``q_r = ||x||/||r||`` (1 where a
+       norm is 0, clamped to the trust bounds), ``x = x - lr*q_r*r``.
 
-    Tuning advice:
+    With per-layer gradient normalisation a local gradient has the same norm as the averaged
+    one, so the local ``v`` stays on the dense phase's scale; unlike a frozen ``v`` it follows
+    the gradients as they change, which keeps ``m/d`` (what the codec sees) even, at no cost on
+    the wire.
 
-    * ``freeze_step``: the dense warm-up, long enough for ``v`` to settle and for the model to
-      leave the fast early phase: 1-bit Adam uses 15-25% of the run. Must be >= 1.
+    Tuning advice (see ``docs/guide.md``):
+
+    * ``dense_steps``: 100. Long enough for ``v`` to settle and for the model to leave its fast
+      early phase; for a transformer, a fixed number of steps that ends before it starts to
+      use its context. Must be >= 1.
     * ``lr``: LANS's rate (a relative step per layer); keep the uncompressed run's schedule.
-    * ``normalize_grad``: True (LANS proper, the default here) normalises each worker's local
-      gradient per layer before it enters the momentum, so ``v`` (frozen from normalised
-      gradients) and ``m`` stay on the same scale; False gives CLAN's unnormalised gradient.
+    * ``normalize_grad``: True (LANS proper) normalises each worker's local gradient per layer
+      before it enters the moments, so ``m`` and ``v`` stay on the dense phase's scale.
     * ``betas``: ``(0.9, 0.999)``; a high ``b1`` averages the momentum's compression error out.
-    * ``precondition``: True compresses ``m/d`` instead of ``m``. A one-bit or top-k codec
-      treats all elements of a chunk alike; on ``m`` that error is then divided by ``d``, so
-      elements with a tiny second moment get huge, wrong steps, inflate ``||r||`` and shrink
-      every other element's step through the trust ratio. On ``m/d`` the error is spread
-      evenly over the update itself. The two are the same with a lossless codec.
-    * ``sends``: ``"momentum"`` (1-bit Adam's choice: the momentum is smoother than the
-      gradient) or ``"gradient"`` (CLAN's: the codec's error enters the momentum with weight
-      ``1-b1`` instead of 1; with ``v`` frozen it no longer reaches the second moment).
-    * ``ef21``: False (residual error feedback in the codec, as 1-bit Adam); True sends
-      differences to a shared estimate instead. The estimate is dense even when the codec is
-      top-k, so the update is too, and a one-bit codec's error is relative to the change of
-      the momentum in one step (about ``1-b1`` of it), not to the momentum itself.
-    * ``blend``: True keeps LANS's update after the warm-up; ``gh`` carries the codec's error of
-      one step amplified by ``1/(1-b1)`` (error feedback cancels it over the next steps), and
-      its trust ratio ``q_c`` gives it ``1-b1`` of every layer's step. False uses the momentum
-      direction alone: on stdlib-mlm with one-bit it was better on every seed (1600 steps:
-      +6.33% against +7.97%, ``docs/convergence.md`` 2.9), and ``gp.CLAN`` uses it by
-      default. Without compression the two differ little.
-    * ``variance``: ``"frozen"`` (1-bit Adam's and 1-bit LAMB's choice) or ``"local"``
-      (step 5, needs ``precondition``, ``sends="momentum"``, no ``ef21``, no refresh).
-      On stdlib-mlm at 1600 steps the local variance removed the frozen one's cost without
-      compression and cut one-bit's gap from +20.8% to +14.7% (3 seeds) with no extra bytes
-      (``docs/convergence.md`` 2.8); ``gp.CLAN`` uses it by default.
-    * ``refresh_every``: None (``v`` stays frozen, as 1-bit Adam). A frozen ``v`` remembers
-      the warm-up's gradients; when the gradients of some weights grow or shrink later (a
-      transformer that starts to use its context), their steps are mis-scaled. Each refresh
-      costs one dense step: ``K`` = 50 with a one-bit codec (32x) sends about 1.6x the bytes
-      of no refresh. The codec's residuals, in units of the old ``m/d``, are not rescaled
-      when ``d`` changes. On stdlib-mlm it halved the frozen ``v``'s cost without compression
-      but did not help one-bit at 800 steps; at 1600 it did (``docs/convergence.md`` 2.7).
     * ``eps``, ``weight_decay``, ``min_trust``, ``max_trust``: as :class:`LANS`.
+
+    Experiment switches (off by default; the convergence study in ``benchmarks/`` measures
+    them): ``variance="frozen"`` (1-bit Adam's frozen ``v``, bias-corrected at
+    ``dense_steps``; then also ``precondition=False`` to send ``m`` rather than ``m/d``,
+    ``sends="gradient"`` to send the gradient and keep the momentum local, ``ef21=True`` to
+    send differences to a shared estimate (EF21, Richtarik et al. 2021, arXiv:2106.05203; the
+    distributed layer must run without residuals), ``refresh_every=K`` for one dense step every
+    ``K`` compression-stage steps that refreshes ``v``, after 0/1 Adam, arXiv:2202.06009) and
+    ``blend=True`` (LANS's instant-gradient part after the dense phase, the gradient recovered
+    from two consecutive averaged momenta, ``gh = (a - b1*a_prev)/(1-b1)``).
 
     Recipe (the same as :class:`OneBitAdam`): while :attr:`compression_active` is False the caller
     averages gradients uncompressed into ``p.grad``; once True it leaves the local gradient there
@@ -134,19 +89,13 @@ class OneBitLANS(LANS):
     Args:
         params: iterable of parameters or of param-group dicts (torch semantics).
         lr, betas, eps, weight_decay, normalize_grad, min_trust, max_trust, fused: as
-            :class:`LANS` (``fused`` applies to the warm-up steps; the compression stage runs
+            :class:`LANS` (``fused`` applies to the dense steps; the compression stage runs
             torch's foreach ops).
-        freeze_step: number of warm-up steps, an int >= 1.
-        blend: keep LANS's instant-gradient direction after the warm-up (step 3).
-        precondition: communicate the momentum (or gradient) divided by ``d`` (step 2).
-        sends: ``"momentum"`` or ``"gradient"`` (step 2).
-        ef21: communicate differences to a shared estimate (step 2); the distributed layer's
-            codec must then run without error feedback.
-        refresh_every: None, or an int >= 1: every this many compression-stage steps, one
-            dense step refreshes ``v`` (step 4).
-        variance: ``"frozen"`` or ``"local"`` (step 5).
+        dense_steps: number of uncompressed opening steps, an int >= 1.
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
+        variance, blend, precondition, sends, ef21, refresh_every: the experiment switches
+            above (``"local"``, False, True, ``"momentum"``, False, None by default).
 
     Raises:
         ValueError: a hyperparameter is out of range (the message names it).
@@ -158,13 +107,12 @@ class OneBitLANS(LANS):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, normalize_grad: bool = True,
                  min_trust: float | None = None, max_trust: float | None = None,
-                 fused: bool | None = None, freeze_step: int = 100,
-                 communicate: Communicate | None = None, blend: bool = True,
-                 precondition: bool = True, sends: str = "momentum",
-                 ef21: bool = False, refresh_every: int | None = None,
-                 variance: str = "frozen") -> None:
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+                 fused: bool | None = None, dense_steps: int = 100,
+                 communicate: Communicate | None = None, variance: str = "local",
+                 blend: bool = False, precondition: bool = True, sends: str = "momentum",
+                 ef21: bool = False, refresh_every: int | None = None) -> None:
+        if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 1:
+            raise ValueError(f"dense_steps must be an int >= 1, got {dense_steps!r}")
         for name, flag in (("blend", blend), ("precondition", precondition), ("ef21", ef21)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -176,9 +124,10 @@ class OneBitLANS(LANS):
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
         self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
         self.variance = _check_variance(variance, self)
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         normalize_grad=normalize_grad, min_trust=min_trust,
-                         max_trust=max_trust, fused=fused, freeze_step=freeze_step)
+        self._setup(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 normalize_grad=normalize_grad, min_trust=min_trust,
+                                 max_trust=max_trust, freeze_variance_after=None,
+                                 dense_steps=dense_steps), fused)
         self.communicate = communicate
 
     communicate = OneBitAdam.communicate
@@ -186,19 +135,19 @@ class OneBitLANS(LANS):
     _launch = OneBitAdam._launch
 
     def _compresses(self, t: int, group: dict[str, Any]) -> bool:
-        """Whether a tensor's step ``t`` runs the compression stage: past the warm-up and not
-        a refresh step (step 4), which is dense."""
-        return t > group["freeze_step"] and not self._refreshes(t, group)
+        """Whether a tensor's step ``t`` runs the compression stage: past the dense phase and
+        not a refresh step, which is dense."""
+        return t > group["dense_steps"] and not self._refreshes(t, group)
 
     def _refreshes(self, t: int, group: dict[str, Any]) -> bool:
-        """Whether step ``t`` of a tensor is a variance-refresh step (step 4)."""
-        k, fs = self.refresh_every, group["freeze_step"]
+        """Whether step ``t`` of a tensor is a variance-refresh step (``refresh_every``)."""
+        k, fs = self.refresh_every, group["dense_steps"]
         return k is not None and t > fs and (t - fs) % k == 0
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        if group["freeze_step"] is None:
-            raise ValueError("freeze_step must be an int >= 1 for OneBitLANS, got None")
+        if group["dense_steps"] is None:
+            raise ValueError("dense_steps must be an int >= 1 for OneBitLANS, got None")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -206,7 +155,7 @@ class OneBitLANS(LANS):
         loss = self._closure_loss(closure)
         stages = []
         for b, group in self._bucketed():
-            fs = group["freeze_step"]
+            fs = group["dense_steps"]
             warm, comp = _split(b, lambda t, fs=fs: t <= fs)
             refresh, comp = _split(comp, lambda t, g=group: self._refreshes(t, g))
             if warm.params:
@@ -240,7 +189,7 @@ class OneBitLANS(LANS):
         return loss
 
     def _send(self, b: Bucket, group: dict[str, Any]) -> tuple[list[Any], Any, Any, Any]:
-        """Step 2 up to the communication: returns (pending, b1*m_prev or None, the frozen
+        """Step 2 up to the communication: returns (pending, b1*m_prev or None, the
         ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None)."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
@@ -267,11 +216,11 @@ class OneBitLANS(LANS):
 
     def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor]
                     ) -> tuple[list[Any], Any, Any, None]:
-        """Step 5 up to the communication: ``v`` and ``m`` from the local gradient, ``m/d``
-        sent; returns (pending, b1*a_prev or None, ``(d, s)``, None)."""
+        """Step 2 (local ``v``) up to the communication: ``v`` and ``m`` from the local
+        gradient, ``m/d`` sent; returns (pending, b1*a_prev or None, ``(d, s)``, None)."""
         beta1, beta2 = group["betas"]
         prev = None
-        if self.blend:  # a_prev; at the first compressed step the warm-up's (shared) m/d
+        if self.blend:  # a_prev; at the first compressed step the dense phase's (shared) m/d
             if any("shared_momentum" not in self.state[p] for p in b.params):
                 d_last = self._denominators(b, group)[0]
                 for p, m, d in zip(b.params, b.exp_avgs, d_last):
@@ -285,7 +234,7 @@ class OneBitLANS(LANS):
     def _local_update(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
                       prev: list[torch.Tensor] | None, d: list[torch.Tensor],
                       s: list[float]) -> None:
-        """Step 5 after the communication: the update from the shared average ``a = got``."""
+        """Step 3 (local ``v``): the update from the shared average ``a = got``."""
         for p, m, a, di in zip(b.params, b.exp_avgs, got, d):
             torch.mul(a, di, out=m)                 # this worker's momentum, in its units
             if self.blend:
@@ -295,20 +244,21 @@ class OneBitLANS(LANS):
     def _denominators(self, b: Bucket, group: dict[str, Any]
                       ) -> tuple[list[torch.Tensor], list[float]]:
         """:func:`adam_denominators` of the frozen ``v``, bias-corrected at the step of its
-        last update (``freeze_step``, or the last refresh)."""
-        vsteps = [self.state[p].get("variance_step", group["freeze_step"]) for p in b.params]
+        last update (``dense_steps``, or the last refresh)."""
+        vsteps = [self.state[p].get("variance_step", group["dense_steps"]) for p in b.params]
         return adam_denominators(dataclasses.replace(b, steps=vsteps), group["betas"][1],
                                  group["eps"])
 
     def _refresh(self, b: Bucket, group: dict[str, Any]) -> None:
-        """Step 4: a dense step on the uncompressed-averaged gradient that refreshes ``v``."""
+        """``refresh_every``: a dense step on the uncompressed-averaged gradient that refreshes
+        ``v``."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend else None
         for p, v, gi, t in zip(b.params, b.exp_avg_sqs, g, b.steps):
             st = self.state[p]
             # the averaged gradient stands in for the k steps since v's last update
-            w = beta2 ** (t - st.get("variance_step", group["freeze_step"]))
+            w = beta2 ** (t - st.get("variance_step", group["dense_steps"]))
             v.mul_(w).addcmul_(gi, gi, value=1.0 - w)
             st["variance_step"] = t
         torch._foreach_lerp_(b.exp_avgs, g, 1.0 - beta1)
@@ -333,9 +283,9 @@ class OneBitLANS(LANS):
     def _momentum_update(b: Bucket, group: dict[str, Any], prev: list[torch.Tensor] | None,
                          mom: list[torch.Tensor], d: list[torch.Tensor] | None,
                          s: list[float]) -> None:
-        """Step 3 with v frozen along the averaged momentum ``mom``; ``prev`` is
+        """Step 3 along the averaged momentum ``mom``; ``prev`` is
         ``b1*m_prev`` (blend) or None (momentum only); ``d``, ``s`` the frozen denominators
-        (``d`` None: ``mom`` and ``prev`` are divided by it already, step 5)."""
+        (``d`` None: ``mom`` and ``prev`` are divided by it already, the local ``v``)."""
         beta1 = group["betas"][0]
         lr, wd = group["lr"], group["weight_decay"]
         r = direction(mom, d, [si / (1.0 - beta1 ** t) for si, t in zip(s, b.steps)],

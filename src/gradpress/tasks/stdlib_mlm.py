@@ -198,9 +198,8 @@ class StdlibMLMTask(Task):
     name = "stdlib-mlm"
     description = ("byte-level BERT-style masked LM on the Python stdlib's own source "
                    "(~3 MB, split by file), 2-layer d=128 transformer, ~0.37M parameters")
-    # Learning rates measured over 300 steps (30 warm-up, cosine, one worker); validation loss
-    # (uniform 5.56, unigram 3.11): adam 2e-3: 2.83 (1e-3: 2.87), sgd (Nesterov 0.9) 0.3: 2.84,
-    # clan 1e-2: 2.83 (2e-2: 2.80), lamb 1e-2: 2.82 (2e-2: 2.81).
+    # Learning rates tuned per optimizer family over 300 steps (30 warm-up, cosine, one
+    # worker; see docs/results.md).
     defaults = TaskDefaults(
         batch_size=32, epochs=4, max_steps=300,
         lr={"adam": 2e-3, "sgd": 0.3, "lans": 1e-2, "lamb": 1e-2},

@@ -1,9 +1,10 @@
 """PyTorch integration: :class:`DistributedOptimizer` (gradient push_pull overlapped with backward),
-broadcasts of parameters and optimizer state, and checkpoint helpers."""
+the one-call adaptive methods :func:`CLAN` and :func:`OneBitLANS`, and broadcasts of parameters
+and optimizer state."""
 
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .clan import CLAN
+from .clan import CLAN, OneBitLANS
 from .optimizer import DistributedOptimizer
 
-__all__ = ["CLAN", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object"]
+__all__ = ["CLAN", "OneBitLANS", "DistributedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "broadcast_object"]

@@ -15,10 +15,10 @@ Steps of one training iteration (Horovod/BytePS pattern; BytePS-Compress, Zhong 
 4. The wrapped optimizer's ``step`` runs on the averaged gradient. Every worker received the same
    bytes, so replicas stay identical without broadcasting parameters after step 0.
 
-With ``warmup_steps=N`` the first N optimizer steps push_pull every gradient uncompressed (under
+With ``dense_steps=N`` the first N optimizer steps push_pull every gradient uncompressed (under
 the tensor's name plus ``"@dense"``, so the compressed keys and their residuals start fresh at
-step N), as 1-bit Adam's full-precision warm-up does (Tang et al. 2021); see
-``docs/convergence.md`` for what it buys CLAN.
+step N), as 1-bit Adam's full-precision phase does (Tang et al. 2021); see ``docs/guide.md``
+for when it pays.
 
 With ``torch.amp.GradScaler``, follow the Horovod recipe::
 
@@ -58,7 +58,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         compression: str | Mapping[str, Any] | CodecSpec | None = "none", ef: str | None = None,
         momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
         backward_passes_per_step: int = 1, nan_policy: str = "raise",
-        warmup_steps: int = 0, uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
+        dense_steps: int = 0, uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
     """Return ``optimizer`` turned into a distributed one (same class name, a subclass of it).
 
     Args:
@@ -78,13 +78,14 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             before one push_pull (not divided: scale the loss if you want a mean).
         nan_policy: ``"raise"`` (non-finite gradients are an error) or ``"skip"`` (the step is
             skipped on all workers; use this with AMP).
-        warmup_steps: the first this many ``step()`` calls communicate uncompressed gradients;
-            compression (and error feedback) starts after them.
+        dense_steps: the first this many ``step()`` calls communicate uncompressed gradients;
+            compression (and error feedback) starts after them. Default 0: compress from the
+            first step.
         uncompressed_params: names or ``fnmatch`` patterns (``"pos.weight"``, ``"*.bias"``) of
             parameters whose gradients always travel uncompressed (fp32, exact), whatever their
             size; each pattern must match a name. A model's learned position embedding is the
-            usual candidate (``docs/convergence.md``, section 2.7): small in a large model, but
-            one-bit compression of it delayed a small transformer's use of context.
+            usual candidate: small in a large model, but one-bit compression of it can delay a
+            transformer's use of context (``docs/guide.md``).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "
@@ -93,11 +94,11 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     obj = cls.__new__(cls)
     obj.__dict__.update(optimizer.__dict__)  # keep hyperparameters, state and param groups
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
+        raise ValueError(f"dense_steps must be an int >= 0, got {dense_steps!r}")
     obj._gp_init(named_parameters, compression, ef, momentum, mu, min_compress_bytes,
                  backward_passes_per_step, nan_policy, uncompressed_params)
-    obj._gp_warmup = warmup_steps
+    obj._gp_dense_steps = dense_steps
     obj._gp_steps = 0
     return obj
 
@@ -173,7 +174,7 @@ class _Distributed:
             self._gp_nonfinite = True
             grad = torch.zeros_like(grad)
         exact = p in self._gp_dense  # chosen by name: travels as a small tensor does, exact
-        if self._gp_steps < self._gp_warmup and not exact:  # warm-up: separate dense keys
+        if self._gp_steps < self._gp_dense_steps and not exact:  # dense phase: own keys
             self._gp_handles[p] = api.push_pull_async(
                 grad, self._gp_names[p] + "@dense", average=True, compression="none",
                 ef="none", out=_in_place(grad))

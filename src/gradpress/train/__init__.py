@@ -3,7 +3,8 @@
     from gradpress.train import TrainConfig, Session
     cfg = TrainConfig(task="digits-cnn", compression="onebit", optimizer="clan")
 
-* :class:`TrainConfig` (``config.py``): the validated configuration of one run.
+* :class:`TrainConfig` (``config.py``): the validated configuration of one run; each field is
+  a ``gradpress train`` option, the parser is generated from the fields (``options.py``).
 * :class:`Session` (``session.py``): optimizer, schedule, stage timers and metrics on a worker;
   ``Session.from_env()`` in a user script started by ``gradpress train ... -- python SCRIPT``.
 * ``worker.py``: the training loop of the bundled tasks (``python -m gradpress.train.worker``).

@@ -20,7 +20,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import EF_CHOICES, OPTIMIZERS, SCHEDULES, TrainConfig
+from .config import TrainConfig
+from .options import add_arguments, from_namespace
 from .report import format_run, format_table, plot_runs, read_metrics, run_report, write_json
 from .session import CONFIG_ENV
 
@@ -33,7 +34,7 @@ _OUTPUTS = ("metrics.jsonl", "report.json", "loss_vs_step.png", "loss_vs_time.pn
 _INTERRUPTED = (130, 143)
 
 #: The demo's three runs on digits-cnn (name, compression, CLAN learning rate); the rates were
-#: tuned per method (see ``docs/train.md``).
+#: tuned per method (see ``docs/results.md``).
 DEMO_RUNS = (
     ("uncompressed", "none", 4e-3),
     ("clan-onebit", "onebit", 4e-3),
@@ -63,99 +64,13 @@ def prepare_out_dir(path: str | Path) -> Path:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Define the options of ``gradpress train`` on ``parser``."""
-    from ..tasks import task_names
-
-    a = parser.add_argument
-    a("--task", help=f"bundled task: {', '.join(task_names())} (or give a script after --)")
-    a("--workers", type=int, default=2, help="worker processes (default 2)")
-    a("--servers", type=int, default=1, help="server processes (default 1)")
-    a("--compression", default="none", metavar="SPEC",
-      help="codec spec, e.g. onebit, topk:k=0.001,values=fp16 (default none)")
-    a("--ef", default="vanilla", metavar="KIND",
-      help=f"error feedback: {', '.join(EF_CHOICES)} (default vanilla)")
-    a("--ef-decay", type=float, metavar="B",
-      help="with --ef vanilla: residuals decay by B each step (vanilla:decay=B; default: no "
-           "decay)")
-    a("--server-ef-decay", type=float, metavar="S",
-      help="with --ef vanilla: the servers' residuals decay by S instead (1: not at all; "
-           "default: as --ef-decay)")
-    a("--ef-anneal", action="store_true",
-      help="with --ef-decay B < 1: the workers' decay rises from B towards 1 as the lr falls "
-           "(vanilla:decay=B,anneal=1)")
-    a("--optimizer", default="clan", metavar="NAME",
-      help=f"{', '.join(OPTIMIZERS)} (default clan)")
-    a("--lr", type=float, help="peak learning rate (default: the task's for the optimizer)")
-    a("--epochs", type=int, help="passes over the training data (default: the task's)")
-    a("--steps", type=int, help="stop after this many steps (with --epochs: whichever first)")
-    a("--batch-size", type=int, help="per-worker batch size (default: the task's)")
-    a("--weight-decay", type=float, help="decoupled weight decay (default: the task's)")
-    a("--warmup-steps", type=int, help="linear lr warm-up steps (default: the task's)")
-    a("--schedule", default="cosine", metavar="KIND",
-      help=f"lr schedule after warm-up: {', '.join(SCHEDULES)} (default cosine)")
-    a("--freeze-step", type=int,
-      help="onebit-adam/onebit-lans warm-up steps (default 20%% of the run); clan/lans: freeze "
-           "the second moment after N steps (default never)")
-    a("--no-blend", action="store_true",
-      help="onebit-lans: after the warm-up, step along the momentum only (no LANS blend)")
-    a("--no-precondition", action="store_true",
-      help="onebit-lans: compress the momentum itself, not divided by sqrt(v)")
-    a("--sends", default="momentum", metavar="WHAT",
-      help="onebit-lans: what travels after the warm-up, momentum or gradient (momentum)")
-    a("--refresh-every", type=int, metavar="N",
-      help="onebit-lans: every N steps after the warm-up, one dense step refreshes the frozen "
-           "second moment (default: never)")
-    a("--variance", default="frozen", metavar="KIND",
-      help="onebit-lans: second moment after the warm-up, frozen or local (each worker's own, "
-           "from its local gradient; default frozen)")
-    a("--uncompressed-steps", type=int,
-      help="first N steps send uncompressed gradients (default: the optimizer's, "
-           "docs/convergence.md)")
-    a("--momentum", type=float, help="sgd-ef momentum (default: the task's)")
-    a("--beta1", type=float, help="first-moment decay of the Adam-family optimizers "
-                                  "(default: theirs, 0.9)")
-    a("--beta2", type=float, help="second-moment decay of the Adam-family optimizers "
-                                  "(default: theirs, 0.999)")
-    a("--min-compress-bytes", type=int, default=16 << 10,
-      help="smaller gradients travel uncompressed (default 16384)")
-    a("--uncompressed-params", nargs="+", default=[], metavar="NAME",
-      help="parameters (names or fnmatch patterns, e.g. pos.weight) whose gradients or "
-           "momenta always travel uncompressed")
-    a("--eval-every", type=int, help="evaluate every N steps (default: every epoch)")
-    a("--stop-on-divergence", type=float, metavar="F",
-      help="stop when the 50-step mean training loss climbs back F of the way from its lowest "
-           "to its first (0.5: half-way; default: never)")
-    a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
-    a("--name", default="run", help="run name (tensor names, reports; default run)")
-    a("--out", default="runs/train", help="run directory (default runs/train)")
-    a("--no-progress", action="store_true", help="no progress bar")
-    a("command", nargs=argparse.REMAINDER,
-      help="script mode: -- CMD ... run by each worker instead of a bundled task")
-    return parser
-
-
-def _script(args: argparse.Namespace) -> tuple[str, ...]:
-    cmd = list(args.command or [])
-    return tuple(cmd[1:] if cmd and cmd[0] == "--" else cmd)
+    """Define the options of ``gradpress train`` on ``parser``: one per
+    :class:`TrainConfig` field, generated from the fields (:mod:`gradpress.train.options`)."""
+    return add_arguments(parser, TrainConfig)
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        name=args.name, task=args.task, script=_script(args), workers=args.workers,
-        servers=args.servers, compression=args.compression, ef=args.ef, ef_decay=args.ef_decay,
-        server_ef_decay=args.server_ef_decay, ef_anneal=args.ef_anneal,
-        optimizer=args.optimizer, lr=args.lr, epochs=args.epochs, steps=args.steps,
-        batch_size=args.batch_size, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps, schedule=args.schedule, freeze_step=args.freeze_step,
-        blend=not args.no_blend, precondition=not args.no_precondition,
-        sends=args.sends, refresh_every=args.refresh_every, variance=args.variance,
-        uncompressed_steps=args.uncompressed_steps,
-        momentum=args.momentum, beta1=args.beta1, beta2=args.beta2,
-        min_compress_bytes=args.min_compress_bytes,
-        uncompressed_params=tuple(args.uncompressed_params),
-        stop_on_divergence=args.stop_on_divergence, eval_every=args.eval_every,
-        seed=args.seed, out=args.out,
-        progress=not args.no_progress)
+    return from_namespace(TrainConfig, args)
 
 
 def _check_param_names(cfg: TrainConfig) -> None:
@@ -260,10 +175,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def demo_configs(args: argparse.Namespace, out: Path) -> list[TrainConfig]:
     """The demo's runs: digits-cnn with CLAN uncompressed, onebit and topk 0.1% fp16."""
-    # no uncompressed warm-up: digits-cnn shows no gap without it (docs/convergence.md)
+    # no dense steps: a small CNN shows no gap without them (docs/guide.md)
     return [TrainConfig(name=name, task="digits-cnn", compression=spec, ef="vanilla",
                         optimizer="clan", lr=lr, epochs=args.epochs, steps=args.steps,
-                        uncompressed_steps=0,
+                        dense_steps=0,
                         seed=args.seed, workers=args.workers, servers=args.servers,
                         out=str(out / name), progress=not args.no_progress)
             for name, spec, lr in DEMO_RUNS]

@@ -1,10 +1,11 @@
 """``TrainConfig``: everything one ``gradpress train`` run needs, validated on construction.
 
-A config is frozen and keyword-only. Fields left as ``None`` take the task's defaults
-(:class:`gradpress.tasks.TaskDefaults`) when the worker resolves them. Bad input is a
-``ValueError`` naming the field, the value and what was expected; an unknown task, codec or
-optimizer lists the valid choices. Validation imports no task data, so it is cheap and runs
-before any process starts.
+A config is frozen and keyword-only. Each field is also a ``gradpress train`` option: its help
+text is the field's documentation and the argument parser is generated from the fields
+(:mod:`gradpress.train.options`). Fields left as ``None`` take the task's or the optimizer's
+defaults when the worker resolves them. Bad input is a ``ValueError`` naming the field, the
+value and what was expected; an unknown task, codec or optimizer lists the valid choices.
+Validation imports no task data, so it is cheap and runs before any process starts.
 """
 
 from __future__ import annotations
@@ -15,23 +16,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES",
-           "DEFAULT_UNCOMPRESSED_STEPS"]
+from .options import option
+
+__all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES", "DEFAULT_DENSE_STEPS",
+           "MOMENTUM_OPTIMIZERS"]
 
 #: ``--optimizer`` choices; see :mod:`gradpress.train.session` for what each one builds.
 OPTIMIZERS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam", "onebit-lans")
-#: Optimizers without ``uncompressed_steps``: ``sgd-ef`` compresses from the first step, the
-#: 1-bit ones warm up densely for ``freeze_step`` steps and then communicate their momentum.
-NO_UNCOMPRESSED_STEPS = ("sgd-ef", "onebit-adam", "onebit-lans")
-#: Optimizers that take ``freeze_step``.
-FREEZING = ("clan", "lans", "onebit-adam", "onebit-lans")
-#: ``--ef`` choices (``none``: no error feedback; ``ef21``: onebit-lans only, differences to a
-#: shared estimate instead of residuals, ``OneBitLANS(ef21=True)``).
-EF_CHOICES = ("vanilla", "corrected", "sparse", "none", "ef21")
-#: Default uncompressed warm-up steps per optimizer. CLAN: 50 (stdlib-mlm, onebit, 200 steps:
-#: validation loss 9.0% above uncompressed LANS without warm-up, 1.4% with 50 steps; see
-#: ``docs/convergence.md``).
-DEFAULT_UNCOMPRESSED_STEPS: dict[str, int] = {"clan": 100}  # as gp.CLAN (convergence.md)
+#: Optimizers that communicate their momentum after ``dense_steps`` (>= 1) dense steps.
+MOMENTUM_OPTIMIZERS = ("onebit-adam", "onebit-lans")
+#: The error-feedback kinds ``--ef`` takes (``vanilla`` also as ``vanilla:decay=B,...``).
+EF_CHOICES = ("vanilla", "corrected", "sparse", "none")
+#: ``dense_steps`` when not given, per optimizer (0 if absent; the 1-bit optimizers: 20% of the
+#: run, as DeepSpeed's 15-25%): CLAN's second moment settles on dense gradients first.
+DEFAULT_DENSE_STEPS: dict[str, int] = {"clan": 100}
 #: Learning-rate schedules after the linear warm-up.
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -65,188 +63,93 @@ def _choice(obj: Any, name: str, valid: tuple[str, ...], what: str) -> None:
         raise ValueError(f"unknown {what} {v!r}; valid {what}s: {', '.join(valid)}")
 
 
-def _onebit_lans_choice(cfg: Any, name: str, valid: tuple[str, str]) -> None:
-    """A ``onebit-lans`` option: one of ``valid``, and its first (default) with the others."""
-    v = getattr(cfg, name)
-    if v not in valid:
-        raise ValueError(f"TrainConfig.{name} must be {' or '.join(valid)}, got {v!r}")
-    if v != valid[0] and cfg.optimizer != "onebit-lans":
-        raise ValueError(f"TrainConfig.{name}={v!r} is for onebit-lans, got optimizer "
-                         f"{cfg.optimizer!r}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run on a local cluster (``gradpress train``; the demo runs three).
 
     Either ``task`` (a bundled task, trained by ``python -m gradpress.train.worker``) or
-    ``script`` (the user's own worker command, see the README) must be given.
+    ``script`` (the user's own worker command, see ``docs/reference/cli.md``) must be given.
+    Every field is documented by its help text (``gradpress train --help``).
     """
 
-    #: Label of the run: prefixes its tensor names (so several runs can share one cluster)
-    #: and names it in reports and plots.
-    name: str = "run"
-    #: Bundled task (``gradpress.tasks.task_names()``), or None with ``script``.
-    task: str | None = None
-    #: The user's worker command (script mode), e.g. ``("python", "train.py")``; empty for a
-    #: bundled task.
-    script: tuple[str, ...] = ()
-    #: Worker processes.
-    workers: int = 2
-    #: Parameter-server processes.
-    servers: int = 1
-    #: Codec spec of the gradients (``onebit``, ``topk:k=0.001,values=fp16``, ...); for
-    #: ``onebit-adam``/``onebit-lans`` the codec of the momentum after warm-up.
-    compression: str = "none"
-    #: Error feedback on workers and servers: ``vanilla``, ``corrected``, ``sparse``
-    #: (randomk only), ``none``, or ``ef21`` (``onebit-lans`` only: the optimizer sends
-    #: differences to a shared estimate and the codec runs without residuals). Ignored when
-    #: ``compression`` is ``none``.
-    ef: str = "vanilla"
-    #: With ``ef='vanilla'``: residuals decay by this factor each step, ``p = x + ef_decay*e``
-    #: on workers and servers (``vanilla:decay=B``); None: they do not (1.0). 0.9, the
-    #: momentum's ``b1``, suits ``onebit-adam``/``onebit-lans`` (``docs/convergence.md`` 2.7).
-    ef_decay: float | None = None
-    #: With ``ef='vanilla'``: the servers' residuals decay by this factor instead of
-    #: ``ef_decay`` (``vanilla:decay=B,server_decay=S``); None: the same as the workers'.
-    #: ``ef_decay=0.9`` with 1.0 here suits ``onebit-lans`` (``docs/convergence.md`` 2.10).
-    server_ef_decay: float | None = None
-    #: With ``ef_decay`` < 1: the workers' loss per step, ``1 - ef_decay``, shrinks with the
-    #: lr, ``B_t = 1 - (1 - ef_decay) * lr / lr_max`` (``vanilla:decay=B,anneal=1``; pushes
-    #: carry the lr; the servers' decay stays fixed). ``docs/convergence.md`` 2.15.
-    ef_anneal: bool = False
-    #: Optimizer (see :data:`OPTIMIZERS`).
-    optimizer: str = "clan"
-    #: Peak learning rate; None: the task's default for the optimizer family.
-    lr: float | None = None
-    #: Passes over the training set; None: the task's default (unless ``steps`` is given).
-    epochs: int | None = None
-    #: Optimizer steps; the run stops at ``steps`` or after ``epochs``, whichever comes first.
-    steps: int | None = None
-    #: Per-worker batch size; None: the task's default.
-    batch_size: int | None = None
-    #: Decoupled weight decay (not applied to biases and normalisation weights); None: the
-    #: task's default.
-    weight_decay: float | None = None
-    #: Linear learning-rate warm-up steps; None: the task's default.
-    warmup_steps: int | None = None
-    #: Schedule after warm-up: ``constant``, ``cosine`` (to 0) or ``linear`` (to 0).
-    schedule: str = "cosine"
-    #: 1-bit Adam's and 1-bit LANS's uncompressed warm-up steps; None: 20% of the run
-    #: (DeepSpeed uses 15-25%).
-    #: With ``clan``/``lans``: freeze the second moment after this many steps (None: never;
-    #: usually equal to ``uncompressed_steps``).
-    freeze_step: int | None = None
-    #: ``onebit-lans``: keep LANS's instant-gradient direction after the warm-up, from the
-    #: averaged momenta (``OneBitLANS(blend=)``); False: the momentum direction alone.
-    blend: bool = True
-    #: ``onebit-lans``: communicate the momentum divided by the frozen ``sqrt(v)+eps``
-    #: (``OneBitLANS(precondition=)``); False: the momentum itself, as 1-bit Adam.
-    precondition: bool = True
-    #: ``onebit-lans``: what travels after the warm-up, ``momentum`` or ``gradient``
-    #: (``OneBitLANS(sends=)``).
-    sends: str = "momentum"
-    #: ``onebit-lans``: every this many steps after the warm-up, one dense step refreshes the
-    #: frozen second moment (``OneBitLANS(refresh_every=)``); None: never.
-    refresh_every: int | None = None
-    #: ``onebit-lans``: the second moment after the warm-up, ``frozen`` or ``local`` (each
-    #: worker keeps its own from its local gradient, ``OneBitLANS(variance=)``).
-    variance: str = "frozen"
-    #: First steps whose gradients travel uncompressed (``DistributedOptimizer(warmup_steps=)``);
-    #: None: :data:`DEFAULT_UNCOMPRESSED_STEPS` of the optimizer (0 if absent). Not for
-    #: ``sgd-ef``, ``onebit-adam`` and ``onebit-lans`` (the last two have ``freeze_step``).
-    uncompressed_steps: int | None = None
-    #: Momentum coefficient of ``sgd-ef`` (applied before compression); None: the task's.
-    momentum: float | None = None
-    #: Decay of the first moment (``b1``) of the Adam-family optimizers (all but ``sgd-ef``);
-    #: None: the optimizer's default, 0.9. Higher (0.95) averages a compressed momentum's
-    #: error over more steps.
-    beta1: float | None = None
-    #: Decay of the second moment (``b2``) of the Adam-family optimizers (all but ``sgd-ef``);
-    #: None: the optimizer's default, 0.999. Lower (0.99) makes ``v`` follow the gradient's
-    #: current scale within about 1/(1-b2) steps.
-    beta2: float | None = None
-    #: Gradients smaller than this many bytes travel uncompressed (16 KiB: the bundled tasks'
-    #: large weight tensors are compressed, norms and biases are not).
-    min_compress_bytes: int = 16 << 10
-    #: Names or ``fnmatch`` patterns of the model's parameters (``model.named_parameters()``
-    #: names, e.g. ``pos.weight``) that always travel uncompressed, whatever their size; each
-    #: must match a parameter (checked when the model is built).
-    uncompressed_params: tuple[str, ...] = ()
-    #: Stop the run (status ``failed``, with the reason) when the training loss, averaged
-    #: over 50 steps, climbs back this fraction of the way from its lowest 50-step mean to
-    #: its first (0.5: half-way); None: never (``gradpress.train.guard``).
-    stop_on_divergence: float | None = None
-    #: Evaluate every this many steps; None: after every epoch. The end is always evaluated.
-    eval_every: int | None = None
-    #: Seed of the model initialisation and of the data order.
-    seed: int = 0
-    #: Run directory (created): ``metrics.jsonl``, ``report.json``, PNG plots.
-    out: str = "runs/train"
-    #: Show a progress bar on rank 0.
-    progress: bool = True
+    name: str = option("run", "label of the run: prefixes its tensor names (runs can share a "
+                              "cluster) and names it in reports", metavar="NAME")
+    task: str | None = option(None, "bundled task, or give a worker script after --",
+                              metavar="NAME", choices=lambda: _task_names())
+    script: tuple[str, ...] = option((), "script mode: -- CMD ... run by each worker instead "
+                                         "of a bundled task", metavar="CMD",
+                                     positional=True)
+    workers: int = option(2, "worker processes", metavar="N")
+    servers: int = option(1, "parameter-server processes", metavar="N")
+    compression: str = option("none", "codec spec of the gradients (of the momenta for "
+                                      "onebit-adam/onebit-lans), e.g. onebit, "
+                                      "topk:k=0.001,values=fp16", metavar="SPEC")
+    ef: str = option("vanilla", "error feedback on workers and servers; vanilla also as "
+                                "vanilla:decay=B[,server_decay=S][,anneal=1] (residuals decay "
+                                "by B a step, the servers' by S; anneal=1 moves B towards 1 as "
+                                "the lr falls); ignored without compression",
+                     metavar="KIND", choices=EF_CHOICES)
+    optimizer: str = option("clan", "optimizer", metavar="NAME", choices=OPTIMIZERS)
+    lr: float | None = option(None, "peak learning rate (default: the task's for the "
+                                    "optimizer; required with a script)", metavar="LR")
+    epochs: int | None = option(None, "passes over the training data (default: the task's "
+                                      "unless --steps is given)", metavar="N")
+    steps: int | None = option(None, "stop after this many steps (with --epochs: whichever "
+                                     "comes first)", metavar="N")
+    batch_size: int | None = option(None, "per-worker batch size (default: the task's)",
+                                    metavar="N")
+    weight_decay: float | None = option(None, "decoupled weight decay, not on biases and "
+                                              "normalisation weights (default: the task's)",
+                                        metavar="WD")
+    warmup_steps: int | None = option(None, "linear learning-rate warm-up steps (default: the "
+                                            "task's)", metavar="N")
+    schedule: str = option("cosine", "lr schedule after the warm-up", metavar="KIND",
+                           choices=SCHEDULES)
+    dense_steps: int | None = option(None, "uncompressed opening steps before compression "
+                                           "starts (default: clan 100, onebit-adam and "
+                                           "onebit-lans 20% of the run, others 0; not for "
+                                           "sgd-ef)", metavar="N")
+    momentum: float | None = option(None, "sgd-ef momentum, applied before compression "
+                                          "(default: the task's)", metavar="MU")
+    betas: tuple[float, float] | None = option(None, "first- and second-moment decays of the "
+                                                     "Adam-family optimizers (default: 0.9 "
+                                                     "0.999)", metavar="B")
+    min_compress_bytes: int = option(16 << 10, "smaller gradients travel uncompressed and "
+                                               "exact", metavar="BYTES")
+    uncompressed_params: tuple[str, ...] = option((), "parameters (names or fnmatch patterns, "
+                                                      "e.g. pos.weight) whose gradients or "
+                                                      "momenta always travel uncompressed",
+                                                  metavar="NAME")
+    stop_on_divergence: float | None = option(None, "stop (status failed) when the 50-step "
+                                                    "mean training loss climbs back this "
+                                                    "fraction of the way from its lowest to "
+                                                    "its first (0.5: half-way; default: never)",
+                                              metavar="F")
+    eval_every: int | None = option(None, "evaluate every N steps (default: every epoch; the "
+                                          "end is always evaluated)", metavar="N")
+    seed: int = option(0, "seed of the model initialisation and of the data order",
+                       metavar="N")
+    out: str = option("runs/train", "run directory: metrics.jsonl, report.json, plots",
+                      metavar="DIR")
+    progress: bool = option(True, "the progress bar on rank 0")
 
     def __post_init__(self) -> None:
         self._check_what()
         for name in ("workers", "servers"):
             _positive_int(self, name, optional=False)
-        for name in ("epochs", "steps", "batch_size", "freeze_step", "eval_every",
-                     "refresh_every"):
+        for name in ("epochs", "steps", "batch_size", "eval_every"):
             _positive_int(self, name)
         _positive_int(self, "warmup_steps", lo=0)
-        _positive_int(self, "uncompressed_steps", lo=0)
-        if self.uncompressed_steps and self.optimizer in NO_UNCOMPRESSED_STEPS:
-            raise ValueError(f"TrainConfig.uncompressed_steps is for gradient-compressing "
-                             f"optimizers (clan, lans, lamb, adam), got "
-                             f"{self.uncompressed_steps} with optimizer {self.optimizer!r}")
-        if self.freeze_step is not None and self.optimizer not in FREEZING:
-            raise ValueError(f"TrainConfig.freeze_step is for {', '.join(FREEZING)}, got "
-                             f"{self.freeze_step} with optimizer {self.optimizer!r}")
-        for name in ("blend", "precondition"):
-            flag = getattr(self, name)
-            if not isinstance(flag, bool):
-                raise ValueError(f"TrainConfig.{name} must be a bool, got {flag!r}")
-            if not flag and self.optimizer != "onebit-lans":
-                raise ValueError(f"TrainConfig.{name}=False is for onebit-lans, got optimizer "
-                                 f"{self.optimizer!r}")
-        if self.refresh_every is not None and self.optimizer != "onebit-lans":
-            raise ValueError(f"TrainConfig.refresh_every is for onebit-lans, got "
-                             f"{self.refresh_every} with optimizer {self.optimizer!r}")
-        _onebit_lans_choice(self, "variance", ("frozen", "local"))
-        if self.variance == "local" and (self.refresh_every is not None or not self.precondition
-                                         or self.sends != "momentum" or self.ef == "ef21"):
-            raise ValueError(f"TrainConfig.variance='local' needs precondition, sends='momentum', "
-                             f"no ef21 and no refresh_every, got refresh_every="
-                             f"{self.refresh_every}, precondition={self.precondition}, sends="
-                             f"{self.sends!r}, ef={self.ef!r}")
-        _onebit_lans_choice(self, "sends", ("momentum", "gradient"))
+        _choice(self, "optimizer", OPTIMIZERS, "optimizer")
+        self._check_dense_steps()
         _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
         _number(self, "lr", 0.0, strict=True)
         _number(self, "weight_decay", 0.0, strict=False)
         _number(self, "stop_on_divergence", 0.0, strict=True)
         _number(self, "momentum", 0.0, strict=False, hi=1.0)
-        for name in ("beta1", "beta2"):
-            _number(self, name, 0.0, strict=False, hi=1.0)
-            if getattr(self, name) is not None and self.optimizer == "sgd-ef":
-                raise ValueError(f"TrainConfig.{name} is for the Adam-family optimizers, got "
-                                 f"{getattr(self, name)} with optimizer 'sgd-ef'")
-        _choice(self, "optimizer", OPTIMIZERS, "optimizer")
-        _choice(self, "ef", EF_CHOICES, "error feedback")
-        for name in ("ef_decay", "server_ef_decay"):
-            _number(self, name, 0.0, strict=False, hi=1.0, closed=True)
-            if getattr(self, name) is not None and self.ef != "vanilla":
-                raise ValueError(f"TrainConfig.{name} is for ef='vanilla', got "
-                                 f"{getattr(self, name)} with ef={self.ef!r}")
-        if not isinstance(self.ef_anneal, bool):
-            raise ValueError(f"TrainConfig.ef_anneal must be a bool, got {self.ef_anneal!r}")
-        if self.ef_anneal and (self.ef_decay is None or self.ef_decay == 1.0):
-            raise ValueError(f"TrainConfig.ef_anneal moves the workers' ef_decay B < 1 towards "
-                             f"1 as the lr falls; give ef_decay < 1, got {self.ef_decay!r}")
-        if self.ef == "ef21" and self.optimizer != "onebit-lans":
-            raise ValueError(f"TrainConfig.ef='ef21' is for onebit-lans (it needs an optimizer "
-                             f"that keeps the shared estimate), got optimizer "
-                             f"{self.optimizer!r}")
+        self._check_betas()
+        self._check_ef()
         _choice(self, "schedule", SCHEDULES, "schedule")
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"TrainConfig.out must be a non-empty path, got {self.out!r}")
@@ -257,6 +160,42 @@ class TrainConfig:
         if not isinstance(self.progress, bool):
             raise ValueError(f"TrainConfig.progress must be a bool, got {self.progress!r}")
         self._check_codec()
+
+    def _check_dense_steps(self) -> None:
+        """``dense_steps``: >= 0; >= 1 for the 1-bit optimizers; none for ``sgd-ef``."""
+        lo = 1 if self.optimizer in MOMENTUM_OPTIMIZERS else 0
+        _positive_int(self, "dense_steps", lo=lo)
+        if self.dense_steps and self.optimizer == "sgd-ef":
+            raise ValueError(f"TrainConfig.dense_steps is not for sgd-ef (its momentum runs "
+                             f"on the compressed gradients from the first step), got "
+                             f"{self.dense_steps}")
+
+    def _check_betas(self) -> None:
+        """``betas``: None or two numbers in [0, 1); not for ``sgd-ef``."""
+        b = self.betas
+        if b is None:
+            return
+        if not isinstance(b, tuple) or len(b) != 2 or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                and 0.0 <= x < 1.0 for x in b):
+            raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {b!r}")
+        if self.optimizer == "sgd-ef":
+            raise ValueError(f"TrainConfig.betas is for the Adam-family optimizers, got {b!r} "
+                             f"with optimizer 'sgd-ef'")
+
+    def _check_ef(self) -> None:
+        """``ef``: an error-feedback kind (checked whether or not compression is on)."""
+        from ..compress.registry import check_ef
+
+        if not isinstance(self.ef, str) or not self.ef.strip():
+            raise ValueError(f"TrainConfig.ef must be an error-feedback kind, got {self.ef!r}")
+        if self.ef.strip().lower() == "none":
+            return
+        try:
+            check_ef(self.ef)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig.ef: unknown error feedback {self.ef!r}; valid: "
+                             f"{', '.join(EF_CHOICES)} ({e})") from None
 
     def _check_what(self) -> None:
         """Exactly one of task and script; the task must be bundled; names are plain."""
@@ -301,22 +240,18 @@ class TrainConfig:
 
     @property
     def effective_ef(self) -> str | None:
-        """The codec's error feedback: None without compression, with ``ef='none'`` or with
-        ``ef='ef21'`` (the optimizer's estimate is the feedback then)."""
-        if self.ef in ("none", "ef21") or not self.compressed:
+        """The codec's error feedback: None without compression or with ``ef='none'``."""
+        if self.ef.strip().lower() == "none" or not self.compressed:
             return None
-        if self.ef_decay is None and self.server_ef_decay is None:
-            return self.ef
-        kind = f"vanilla:decay={1.0 if self.ef_decay is None else self.ef_decay!r}"
-        if self.server_ef_decay is not None:
-            kind += f",server_decay={self.server_ef_decay!r}"
-        return kind + (",anneal=1" if self.ef_anneal else "")
+        return self.ef
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``script`` as a list)."""
         d = dataclasses.asdict(self)
         d["script"] = list(self.script)
         d["uncompressed_params"] = list(self.uncompressed_params)
+        if self.betas is not None:
+            d["betas"] = list(self.betas)
         return d
 
     @classmethod
@@ -328,11 +263,17 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: unknown field(s) {', '.join(unknown)}; valid: "
                              f"{', '.join(sorted(names))}")
         kw = dict(d)
-        for key in ("script", "uncompressed_params"):
-            if key in kw:
+        for key in ("script", "uncompressed_params", "betas"):
+            if kw.get(key) is not None:
                 kw[key] = tuple(kw[key])
         return cls(**kw)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _task_names() -> list[str]:
+    from ..tasks import task_names
+
+    return task_names()

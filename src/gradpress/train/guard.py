@@ -1,9 +1,8 @@
 """Stopping a run whose training loss climbs back while it is still finite.
 
-A compressed run can diverge slowly: on stdlib-mlm a 6400-step one-bit run without weight decay
-went from a training loss of 1.2 to 2.2, 13.5 and 30-60 over 1000 steps, every value finite, so
-``nan_policy`` never saw it (``docs/convergence.md`` 2.13). :class:`DivergenceGuard` watches the
-loss ``gradpress train`` logs and stops such a run early:
+A compressed run can diverge slowly: the training loss climbs over hundreds of steps, every
+value finite, so ``nan_policy`` never sees it (``docs/guide.md``). :class:`DivergenceGuard`
+watches the loss ``gradpress train`` logs and stops such a run early:
 
 1. Average the training loss over consecutive windows of ``window`` steps.
 2. Keep the first window's mean (where training started) and the lowest window mean so far.
@@ -36,11 +35,9 @@ class DivergenceGuard:
 
     Args:
         fraction: how far back towards the first window's mean the loss may climb, > 0
-            (0.5: half-way; 1: back to where it started). Tuning: 0.5 stopped the diverging
-            6400-step run of ``docs/convergence.md`` 2.13 at step 2500, about 550 steps after
-            its 50-step mean began to climb (1.36 to 4.2) and 3900 steps before its planned
-            end (0.25 would have stopped it at step 2400); healthy stdlib-mlm runs of 800 to
-            6400 steps climbed back at most 0.014 of the way. Lower stops sooner.
+            (0.5: half-way; 1: back to where it started). Rule of thumb: 0.5 stops a diverging
+            run a few hundred steps after its mean starts to climb, far above what a healthy
+            run climbs back (a few hundredths of the way); lower stops sooner.
         window: steps per averaging window, >= 1.
     """
 
@@ -75,7 +72,7 @@ class DivergenceGuard:
                 f"training loss diverged: its mean over steps {step - self.window + 1}-{step} "
                 f"is {mean:.4g}, past {limit:.4g} ({self.fraction:g} of the way back from its "
                 f"lowest {self.window}-step mean {self.low:.4g} to its first {self.first:.4g}); "
-                f"lower the lr or add weight decay (docs/convergence.md 2.13-2.14)")
+                f"lower the lr or add weight decay (docs/guide.md)")
         self.low = min(self.low, mean)
 
     def state_dict(self) -> dict[str, Any]:

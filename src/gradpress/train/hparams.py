@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .config import DEFAULT_UNCOMPRESSED_STEPS, NO_UNCOMPRESSED_STEPS, TrainConfig
+from .config import DEFAULT_DENSE_STEPS, MOMENTUM_OPTIMIZERS, TrainConfig
 
 __all__ = ["resolve_hparams", "lr_factor"]
 
@@ -25,16 +25,20 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None), 0.9),
         "schedule": cfg.schedule, "total_steps": total_steps,
     }
-    if cfg.optimizer not in NO_UNCOMPRESSED_STEPS:
-        hp["uncompressed_steps"] = _first(cfg.uncompressed_steps,
-                                          DEFAULT_UNCOMPRESSED_STEPS.get(cfg.optimizer), 0)
     if cfg.optimizer != "sgd-ef":
-        hp["betas"] = (_first(cfg.beta1, 0.9), _first(cfg.beta2, 0.999))
-    if cfg.optimizer in ("onebit-adam", "onebit-lans"):
-        hp["freeze_step"] = cfg.freeze_step or max(1, (total_steps or 500) // 5)
-    elif cfg.optimizer in ("clan", "lans"):
-        hp["freeze_step"] = cfg.freeze_step
+        hp["dense_steps"] = _dense_steps(cfg, total_steps)
+        hp["betas"] = cfg.betas or (0.9, 0.999)
     return hp
+
+
+def _dense_steps(cfg: TrainConfig, total_steps: int | None) -> int:
+    """``cfg.dense_steps``, else :data:`DEFAULT_DENSE_STEPS` of the optimizer (0 if absent);
+    the 1-bit optimizers: 20% of the run (500 steps if unknown), at least 1."""
+    if cfg.dense_steps is not None:
+        return cfg.dense_steps
+    if cfg.optimizer in MOMENTUM_OPTIMIZERS:
+        return max(1, (total_steps or 500) // 5)
+    return DEFAULT_DENSE_STEPS.get(cfg.optimizer, 0)
 
 
 def _first(*values: Any) -> Any:

@@ -22,16 +22,17 @@ bytes that crossed the wire (per-step deltas of ``gp.stats()``). A user script s
 Optimizer mapping (``--optimizer``):
 
 1. ``clan``: :func:`gradpress.optim.clan` (LANS without gradient normalisation) wrapped in
-   ``DistributedOptimizer(compression, ef)``; ``lans``, ``lamb`` and ``adam`` (AdamW) likewise.
+   ``DistributedOptimizer(compression, ef, dense_steps)``, as ``gp.CLAN``; ``lans``, ``lamb``
+   and ``adam`` (AdamW) likewise.
 2. ``sgd-ef``: dist-EF-SGDM (Zheng, Huang, Kwok 2019): SGD without its own momentum behind
    ``DistributedOptimizer(momentum="nesterov")``; the worker-side momentum applies to every
    tensor, also to those below ``min_compress_bytes`` that travel uncompressed.
-3. ``onebit-adam``: :class:`gradpress.optim.OneBitAdam`; gradients travel uncompressed during
-   warm-up (``DistributedOptimizer(compression="none")``), then the optimizer communicates its
-   momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops pushing gradients
-   once ``compression_active`` is true).
-4. ``onebit-lans``: :class:`gradpress.optim.OneBitLANS` (LANS with gradient normalisation),
-   driven like ``onebit-adam``.
+3. ``onebit-adam``: :class:`gradpress.optim.OneBitAdam`; gradients travel uncompressed for
+   ``dense_steps`` steps (``DistributedOptimizer(compression="none")``), then the optimizer
+   communicates its momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops
+   pushing gradients once ``compression_active`` is true).
+4. ``onebit-lans``: :class:`gradpress.optim.OneBitLANS`, driven like ``onebit-adam``: the
+   algorithm of ``gp.OneBitLANS``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch
 from torch import nn
 
 from ..compress.registry import ef_needs_lr
-from .config import TrainConfig
+from .config import MOMENTUM_OPTIMIZERS, TrainConfig
 from .guard import DivergenceGuard, TrainingDiverged
 from .hparams import lr_factor, resolve_hparams
 from .report import MetricsWriter
@@ -105,7 +106,8 @@ class Session:
     Args:
         cfg: the run's configuration.
         defaults: the task's :class:`~gradpress.tasks.TaskDefaults` (None in script mode).
-        total_steps: planned optimizer steps (for the schedule and 1-bit Adam's warm-up).
+        total_steps: planned optimizer steps (for the schedule and the 1-bit optimizers'
+            default ``dense_steps``).
         run_dir: where rank 0 writes ``metrics.jsonl`` (default ``cfg.out``).
     """
 
@@ -151,10 +153,14 @@ class Session:
         return self.writer is not None
 
     # -- optimizer ------------------------------------------------------------------------------
-    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``."""
+    def optimizer(self, model: nn.Module, **options: Any) -> torch.optim.Optimizer:
+        """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``.
+
+        ``options`` go to the optimizer's class as they are (for experiments, e.g.
+        ``variance="frozen"`` for :class:`gradpress.optim.OneBitLANS`); none by default.
+        """
         import gradpress as gp
-        from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS, clan, weight_decay_groups
+        from gradpress.optim import weight_decay_groups
         from gradpress.torch.optimizer import match_names
 
         cfg, hp = self.cfg, self.hparams
@@ -163,40 +169,13 @@ class Session:
         exact = match_names([n for n, _ in named], cfg.uncompressed_params,
                             "--uncompressed-params")
         self._exact = frozenset(f"{cfg.name}.{n}" for n in exact)
-        lr, wd = hp["lr"], hp["weight_decay"]
-        groups = weight_decay_groups(model.parameters(), wd)
+        groups = weight_decay_groups(model.parameters(), hp["weight_decay"])
         wrap: dict[str, Any] = {"compression": cfg.compression, "ef": cfg.effective_ef,
                                 "min_compress_bytes": cfg.min_compress_bytes,
-                                "warmup_steps": hp.get("uncompressed_steps", 0),
+                                "dense_steps": hp.get("dense_steps", 0),
                                 "uncompressed_params": sorted(self._exact)}
-        if cfg.optimizer == "clan":
-            opt = clan(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
-                       freeze_step=hp["freeze_step"])
-        elif cfg.optimizer == "lans":
-            opt = LANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
-                       freeze_step=hp["freeze_step"])
-        elif cfg.optimizer == "lamb":
-            opt = LAMB(groups, lr=lr, weight_decay=wd, betas=hp["betas"])
-        elif cfg.optimizer == "adam":
-            opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd, betas=hp["betas"])
-        elif cfg.optimizer == "sgd-ef":
-            mu = hp["momentum"]
-            if cfg.compressed:  # momentum before compression, on the workers (dist-EF-SGDM)
-                opt = torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=0.0)
-                wrap.update(momentum="nesterov", mu=mu)
-            else:  # uncompressed: torch's Nesterov momentum is the same update
-                opt = torch.optim.SGD(groups, lr=lr, weight_decay=wd, momentum=mu,
-                                      nesterov=mu > 0)
-        elif cfg.optimizer == "onebit-lans":
-            opt = OneBitLANS(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
-                             freeze_step=hp["freeze_step"], blend=cfg.blend,
-                             precondition=cfg.precondition, sends=cfg.sends,
-                             ef21=cfg.ef == "ef21", refresh_every=cfg.refresh_every,
-                             variance=cfg.variance)
-        else:
-            opt = OneBitAdam(groups, lr=lr, weight_decay=wd, betas=hp["betas"],
-                             freeze_step=hp["freeze_step"])
-        if cfg.optimizer in ("onebit-adam", "onebit-lans"):
+        opt = self._build(groups, wrap, options)
+        if cfg.optimizer in MOMENTUM_OPTIMIZERS:
             opt.communicate = self._communicate_momentum
             wrap = {"compression": "none"}
             # the momentum keys are positions in the optimizer's flat parameter order
@@ -205,6 +184,30 @@ class Session:
             self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
         self.set_lr(opt)  # records each group's peak lr; the first step's lr, before backward
         return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
+
+    def _build(self, groups: list[dict[str, Any]], wrap: dict[str, Any],
+               options: Mapping[str, Any]) -> torch.optim.Optimizer:
+        """The optimizer of :meth:`optimizer` (steps 1-4 of the module docstring); ``sgd-ef``
+        puts its momentum into ``wrap``."""
+        from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS
+
+        cfg, hp = self.cfg, self.hparams
+        kw = {"lr": hp["lr"], "weight_decay": hp["weight_decay"], **options}
+        if cfg.optimizer == "sgd-ef":
+            mu = hp["momentum"]
+            if cfg.compressed:  # momentum before compression, on the workers (dist-EF-SGDM)
+                wrap.update(momentum="nesterov", mu=mu)
+                return torch.optim.SGD(groups, momentum=0.0, **kw)
+            # uncompressed: torch's Nesterov momentum is the same update
+            return torch.optim.SGD(groups, momentum=mu, nesterov=mu > 0, **kw)
+        kw["betas"] = hp["betas"]
+        if cfg.optimizer == "clan":  # what gradpress.optim.clan builds
+            return LANS(groups, normalize_grad=False, **kw)
+        if cfg.optimizer in MOMENTUM_OPTIMIZERS:
+            cls = OneBitLANS if cfg.optimizer == "onebit-lans" else OneBitAdam
+            return cls(groups, dense_steps=hp["dense_steps"], **kw)
+        cls = {"lans": LANS, "lamb": LAMB, "adam": torch.optim.AdamW}[cfg.optimizer]
+        return cls(groups, **kw)
 
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
         """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""

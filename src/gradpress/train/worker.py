@@ -29,7 +29,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,13 @@ def _progress(cfg: TrainConfig, total: int, rank: int) -> Any:
                 disable=rank != 0 or not cfg.progress, file=sys.stderr)
 
 
-def run_task(cfg: TrainConfig, sessions: list[Session] | None = None) -> Session:
+def run_task(cfg: TrainConfig, sessions: list[Session] | None = None,
+             optimizer_options: Mapping[str, Any] | None = None) -> Session:
     """Train ``cfg.task`` on this worker (steps 1-4 of the module docstring).
 
     ``sessions`` (if given) receives the session as soon as it exists, so an interrupt handler
-    can record the partial run.
+    can record the partial run. ``optimizer_options`` go to the optimizer's class
+    (:meth:`Session.optimizer`; experiments only, e.g. ``benchmarks/clan_script.py``).
     """
     import gradpress as gp
     from gradpress.tasks import get_task
@@ -74,7 +76,7 @@ def run_task(cfg: TrainConfig, sessions: list[Session] | None = None) -> Session
     s = Session(cfg, defaults=task.defaults, total_steps=total)
     if sessions is not None:
         sessions.append(s)
-    opt = s.optimizer(model)
+    opt = s.optimizer(model, **(optimizer_options or {}))
     gp.broadcast_parameters({f"{cfg.name}.{k}": v for k, v in model.state_dict().items()})
     s.start()
     epochs = train_steps(task, model, opt, s, bs, cfg.eval_every or spe)
