@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(tmp_path: Path, train_args: list[str], *script_args: str) -> dict:
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gradpress.train.cli", "train", "--compression", "onebit",
+    cmd = [sys.executable, "-m", "gradpress.cli", "train", "--compression", "onebit",
            "--lr", "0.01", "--steps", "6", "--warmup-steps", "2", "--no-progress", "--out",
            str(out), *train_args, "--", sys.executable,
            str(ROOT / "benchmarks" / "clan_script.py"), *script_args]

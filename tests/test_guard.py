@@ -109,7 +109,7 @@ def test_stops_a_real_run_and_reports_why(tmp_path: Path) -> None:
     # window means 3.235, 1.735, 1.0, 2.275: past 1 + 0.5 * 2.235 at the end of step 200
     script, out = tmp_path / "diverge.py", tmp_path / "run"
     script.write_text(SCRIPT)
-    p = subprocess.run([sys.executable, "-m", "gradpress.train.cli", "train", "--lr", "0.01",
+    p = subprocess.run([sys.executable, "-m", "gradpress.cli", "train", "--lr", "0.01",
                         "--optimizer", "adam", "--steps", "400", "--stop-on-divergence", "0.5",
                         "--no-progress", "--out", str(out), "--", sys.executable, str(script)],
                        capture_output=True, text=True, timeout=180)

@@ -65,7 +65,7 @@ def test_corrected_error_feedback_gets_the_lr_of_the_step_it_pushes(
     script.write_text(SCRIPT)
     # the lr rises every step of a 12-step warm-up: a push with last step's lr cannot pass; the
     # session's own exact pushes (warm-up keys, replica check) must not need an lr
-    p = subprocess.run([sys.executable, "-m", "gradpress.train.cli", "train", "--lr", "0.01",
+    p = subprocess.run([sys.executable, "-m", "gradpress.cli", "train", "--lr", "0.01",
                         *args, "--compression", "onebit", "--ef", "corrected",
                         "--warmup-steps", "12", "--steps", "10", "--min-compress-bytes", "1024",
                         "--no-progress", "--out", str(out), "--", sys.executable, str(script),

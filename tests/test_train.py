@@ -33,7 +33,7 @@ PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "bytes_per_step.png")
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gradpress.train.cli", *args]
+    return [sys.executable, "-m", "gradpress.cli", *args]
 
 
 def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:

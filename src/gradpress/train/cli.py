@@ -26,7 +26,7 @@ from .report import format_run, format_table, plot_runs, read_metrics, run_repor
 from .session import CONFIG_ENV
 
 __all__ = ["add_train_arguments", "run_train", "add_demo_arguments", "run_demo",
-           "prepare_out_dir", "demo_configs", "main", "DEMO_RUNS"]
+           "prepare_out_dir", "demo_configs", "DEMO_RUNS"]
 
 _PLAN = "config.json"
 _OUTPUTS = ("metrics.jsonl", "report.json", "loss_vs_step.png", "loss_vs_time.png",
@@ -204,17 +204,3 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\n{table}\n\ntotal {wall:.1f} s (one cluster, start-up included); plots and "
           f"reports in {out}", flush=True)
     return code
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gradpress.train.cli {train,demo} ...``: the same as ``gradpress train|demo``."""
-    from ..cli import main as gradpress_main
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("train", "demo"):
-        raise SystemExit("usage: python -m gradpress.train.cli {train,demo} ...")
-    return gradpress_main(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -184,15 +184,17 @@ class TrainConfig:
                              f"with optimizer 'sgd-ef'")
 
     def _check_ef(self) -> None:
-        """``ef``: an error-feedback kind (checked whether or not compression is on)."""
-        from ..compress.registry import check_ef
+        """``ef``: an error-feedback spec, text or :class:`~gradpress.compress.EFSpec` (checked
+        whether or not compression is on; an EFSpec is kept as its text, so configs stay JSON)."""
+        from ..compress.spec import EFSpec, parse_ef
 
+        if isinstance(self.ef, EFSpec):
+            object.__setattr__(self, "ef", str(self.ef))
         if not isinstance(self.ef, str) or not self.ef.strip():
-            raise ValueError(f"TrainConfig.ef must be an error-feedback kind, got {self.ef!r}")
-        if self.ef.strip().lower() == "none":
-            return
+            raise ValueError(f"TrainConfig.ef must be an error-feedback spec such as 'vanilla' "
+                             f"or an EFSpec, got {self.ef!r}")
         try:
-            check_ef(self.ef)
+            parse_ef(self.ef)
         except ValueError as e:
             raise ValueError(f"TrainConfig.ef: unknown error feedback {self.ef!r}; valid: "
                              f"{', '.join(EF_CHOICES)} ({e})") from None
