@@ -119,3 +119,17 @@ def test_results_page_is_up_to_date() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results_md.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr or r.stdout
+
+
+#: What src/ must not carry: results figures, links into the study log, issue numbers. A
+#: docstring states the default and a one-line reason and links to a page (docs/guide.md).
+_NOT_IN_SRC = re.compile(r"convergence\.md|convergence-log|[Ii]ssue #?\d+|±|[+-]\d+\.\d+ ?%"
+                         r"|\blog (section )?\d+\.\d+")
+
+
+def test_src_holds_no_results_figures_or_study_references() -> None:
+    hits = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+            for path in sorted((ROOT / "src" / "gradpress").rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if _NOT_IN_SRC.search(line)]
+    assert not hits, "results figures or study references in src/:\n" + "\n".join(hits)
