@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..compress.spec import CodecSpec, parse_spec
+from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from ..optim import OneBitLANS as _OneBitLANSCore
 from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
@@ -30,11 +30,12 @@ DEFAULT_DENSE_STEPS = 100
 DEFAULT_MOMENTUM_EF = "vanilla:decay=0.8,server_decay=1.0"
 
 Compression = str | Mapping[str, Any] | CodecSpec
+EFLike = str | EFSpec
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
 
 def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the method)
-         lr: float = 1e-3, *, compression: Compression = "onebit", ef: str = "vanilla",
+         lr: float = 1e-3, *, compression: Compression = "onebit", ef: EFLike = "vanilla",
          dense_steps: int = DEFAULT_DENSE_STEPS, weight_decay: float = 0.01,
          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          min_compress_bytes: int | None = 1 << 20,
@@ -107,7 +108,7 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
 
 def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the method)
                lr: float = 1e-3, *, compression: Compression = "onebit",
-               ef: str = DEFAULT_MOMENTUM_EF, dense_steps: int = DEFAULT_DENSE_STEPS,
+               ef: EFLike = DEFAULT_MOMENTUM_EF, dense_steps: int = DEFAULT_DENSE_STEPS,
                weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999),
                eps: float = 1e-6, min_compress_bytes: int | None = 1 << 20,
                uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
@@ -195,7 +196,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     return DistributedOptimizer(opt, named_parameters=named, compression="none")
 
 
-def _spec(compression: Compression, ef: str) -> CodecSpec:
+def _spec(compression: Compression, ef: EFLike) -> CodecSpec:
     """The codec spec with ``ef`` as its error feedback, built once to check it (ValueError)."""
     from ..compress import build
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..compress.spec import CodecSpec, parse_spec
+from ..compress.spec import CodecSpec, EFSpec, parse_spec
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
 
@@ -55,7 +55,8 @@ ALWAYS_EXACT = 1 << 62
 
 def DistributedOptimizer(  # noqa: N802  (factory named like the class it returns, as Horovod's)
         optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
-        compression: str | Mapping[str, Any] | CodecSpec | None = "none", ef: str | None = None,
+        compression: str | Mapping[str, Any] | CodecSpec | None = "none",
+        ef: str | EFSpec | None = None,
         momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
         backward_passes_per_step: int = 1, nan_policy: str = "raise",
         dense_steps: int = 0, uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
@@ -114,7 +115,8 @@ class _Distributed:
     """Methods mixed into the dynamic subclass built by :func:`DistributedOptimizer`."""
 
     def _gp_init(self, named_parameters: Iterable[tuple[str, Any]] | None, compression: Any,
-                 ef: str | None, momentum: str | None, mu: float, min_compress_bytes: int | None,
+                 ef: str | EFSpec | None, momentum: str | None, mu: float,
+                 min_compress_bytes: int | None,
                  passes: int, nan_policy: str, uncompressed: Iterable[str]) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
