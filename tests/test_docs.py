@@ -133,3 +133,21 @@ def test_src_holds_no_results_figures_or_study_references() -> None:
             for n, line in enumerate(path.read_text().splitlines(), 1)
             if _NOT_IN_SRC.search(line)]
     assert not hits, "results figures or study references in src/:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("name", ["CLAN", "OneBitLANS", "DistributedOptimizer", "push_pull"])
+def test_factory_signatures_match_api_page(name: str) -> None:
+    import inspect
+
+    import gradpress as gp
+
+    page = (ROOT / "docs" / "reference" / "api.md").read_text()
+    row = next((line for line in page.splitlines() if f"`gp.{name}(" in line), None)
+    assert row is not None, f"docs/reference/api.md has no row for gp.{name}"
+    doc = row.split(f"`gp.{name}(", 1)[1].split(")`", 1)[0]
+    for p in inspect.signature(getattr(gp, name)).parameters.values():
+        shown = f"{p.name}={p.default!r}" if p.default is not p.empty else p.name
+        assert p.name in doc, f"gp.{name}: parameter {p.name!r} missing from api.md"
+        if isinstance(p.default, str):
+            assert shown.replace("'", '"') in doc, f"gp.{name}: api.md shows another default " \
+                f"for {p.name} (code: {p.default!r})"
