@@ -39,7 +39,7 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
          dense_steps: int = DEFAULT_DENSE_STEPS, weight_decay: float = 0.01,
          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
          min_compress_bytes: int | None = 1 << 20,
-         uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
+         uncompressed_params: Iterable[str] | str = "auto") -> torch.optim.Optimizer:
     """CLAN (Zhong, Xie, Zheng, Lin 2021, "Compressed Communication for Distributed Training:
     Adaptive Methods and System"): LANS driven by the two-way compressed gradient.
 
@@ -99,11 +99,11 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
     _check_dense_steps(dense_steps, 0)
     _spec(compression, ef)  # checked now, not at the first push
     named, groups = _groups(named_parameters, weight_decay)
-    dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
+    dense = _exact_names(named, uncompressed_params)
     opt = clan_optimizer(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return DistributedOptimizer(opt, named_parameters=named, compression=compression, ef=ef,
                                 min_compress_bytes=min_compress_bytes, dense_steps=dense_steps,
-                                uncompressed_params=sorted(dense))
+                                uncompressed_params="auto" if dense is None else sorted(dense))
 
 
 def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the method)
@@ -111,7 +111,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
                ef: EFLike = DEFAULT_MOMENTUM_EF, dense_steps: int = DEFAULT_DENSE_STEPS,
                weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999),
                eps: float = 1e-6, min_compress_bytes: int | None = 1 << 20,
-               uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
+               uncompressed_params: Iterable[str] | str = "auto") -> torch.optim.Optimizer:
     """1-bit LANS: LANS whose workers communicate their momentum, compressed two ways, after a
     dense phase, as 1-bit Adam (Tang et al. 2021) and 1-bit LAMB (Li et al. 2021) do.
 
@@ -172,15 +172,20 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
 
     _check_dense_steps(dense_steps, 1)
     named, param_groups = _groups(named_parameters, weight_decay)
-    dense = match_names([n for n, _ in named], uncompressed_params, "uncompressed_params")
+    dense = _exact_names(named, uncompressed_params)
     spec = _spec(compression, ef)  # checked now, not when the dense phase ends
     needs_lr = ef_needs_lr(ef)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors
     groups: list[dict[str, Any]] = []           # the optimizer's, once built
+    wrapper: list[Any] = []                     # the DistributedOptimizer, once built
     # keys are positions in the optimizer's flat parameter order (the groups hold named's order)
-    exact = {str(i) for i, (n, _) in enumerate(named) if n in dense}
+    exact: set[str] = set()
 
     def communicate(key: str, m: torch.Tensor) -> Any:
+        if not exact and dense is None:  # the first compressed step: decide from the measure
+            chosen = wrapper[0].decide_exact().exact
+            exact.update(str(i) for i, (n, _) in enumerate(named) if n in chosen)
+            exact.add("")  # decided (an empty decision too)
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
         step_lr = groups[0]["lr"] if needs_lr else None
@@ -191,9 +196,21 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     opt = _OneBitLANSCore(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           dense_steps=dense_steps, communicate=communicate)
     groups.extend(opt.param_groups)
+    exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)
     # The wrapper averages dense gradients during the dense phase and stops once the
     # optimizer's compression_active turns true (it communicates momenta from then on).
-    return DistributedOptimizer(opt, named_parameters=named, compression="none")
+    wrapper.append(DistributedOptimizer(
+        opt, named_parameters=named, compression="none",
+        uncompressed_params="auto" if dense is None else ()))
+    return wrapper[0]
+
+
+def _exact_names(named: list[tuple[str, torch.nn.Parameter]],
+                 patterns: Iterable[str] | str) -> frozenset[str] | None:
+    """The names that ``uncompressed_params`` keeps exact; None for ``"auto"`` (measured)."""
+    if isinstance(patterns, str) and patterns == "auto":
+        return None
+    return match_names([n for n, _ in named], patterns, "uncompressed_params")
 
 
 def _spec(compression: Compression, ef: EFLike) -> CodecSpec:

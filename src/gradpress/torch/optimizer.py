@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
+from .agreement import Agreement, AgreementMeter
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
 
@@ -59,7 +60,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         ef: str | EFSpec | None = None,
         momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
         backward_passes_per_step: int = 1, nan_policy: str = "raise",
-        dense_steps: int = 0, uncompressed_params: Iterable[str] = ()) -> torch.optim.Optimizer:
+        dense_steps: int = 0,
+        uncompressed_params: Iterable[str] | str = ()) -> torch.optim.Optimizer:
     """Return ``optimizer`` turned into a distributed one (same class name, a subclass of it).
 
     Args:
@@ -86,7 +88,9 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             parameters whose gradients always travel uncompressed (fp32, exact), whatever their
             size; each pattern must match a name. A model's learned position embedding is the
             usual candidate: small in a large model, but one-bit compression of it can delay a
-            transformer's use of context (``docs/guide.md``).
+            transformer's use of context (``docs/guide.md``). ``"auto"``: measured instead,
+            during the ``dense_steps``: tensors whose gradients agree little across workers
+            travel exact (:mod:`gradpress.torch.agreement`).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "
@@ -101,6 +105,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
                  backward_passes_per_step, nan_policy, uncompressed_params)
     obj._gp_dense_steps = dense_steps
     obj._gp_steps = 0
+    if dense_steps == 0 and not hasattr(obj, "compression_active"):
+        obj._gp_meter = None  # "auto" without a dense phase: nothing to measure, all compressed
     return obj
 
 
@@ -137,7 +143,10 @@ class _Distributed:
         self._gp_passes = passes
         self._gp_nan = nan_policy
         self._gp_names = _param_names(self.param_groups, named_parameters)
-        exact = match_names(self._gp_names.values(), uncompressed, "uncompressed_params")
+        auto = isinstance(uncompressed, str) and uncompressed == "auto"
+        exact = frozenset() if auto else match_names(self._gp_names.values(), uncompressed,
+                                                     "uncompressed_params")
+        self._gp_meter = AgreementMeter(self._gp_names.values()) if auto else None
         self._gp_dense = {p for p, n in self._gp_names.items() if n in exact}
         self._gp_lr = {p: g for g in self.param_groups for p in g["params"]}
         self._gp_counts: dict[torch.Tensor, int] = {}
@@ -176,6 +185,8 @@ class _Distributed:
             self._gp_nonfinite = True
             grad = torch.zeros_like(grad)
         exact = p in self._gp_dense  # chosen by name: travels as a small tensor does, exact
+        if self._gp_meter is not None:  # dense phase of "auto": this worker's own gradient
+            self._gp_meter.add_local(self._gp_names[p], grad)
         if self._gp_steps < self._gp_dense_steps and not exact:  # dense phase: own keys
             self._gp_handles[p] = api.push_pull_async(
                 grad, self._gp_names[p] + "@dense", average=True, compression="none",
@@ -202,6 +213,8 @@ class _Distributed:
                 p.grad = avg.to(dtype=p.dtype)
             elif avg.data_ptr() != p.grad.data_ptr():  # else averaged in place already
                 p.grad.copy_(avg)
+            if self._gp_meter is not None:
+                self._gp_meter.add_average(self._gp_names[p], avg)
         self._gp_handles.clear()
         self._gp_counts.clear()
         self._gp_skipped = False
@@ -236,9 +249,31 @@ class _Distributed:
         if not self._gp_skip_sync:
             self.synchronize()
         self._gp_steps += 1
+        if self._gp_meter is not None:
+            self._gp_meter.end_step()
+            if self._gp_steps == self._gp_dense_steps:
+                self.decide_exact()
         if self._gp_skipped:  # step 3: agreed skip
             return None
         return super(self.__class__, self).step(closure)  # step 4
+
+    def decide_exact(self) -> Agreement | None:
+        """With ``uncompressed_params="auto"``: decide, once and the same on every worker,
+        which tensors travel exact from the agreement measured so far (None otherwise)."""
+        from .. import api
+
+        if self._gp_meter is None:
+            return None
+        first = self._gp_meter.result is None
+        name = f"{next(iter(self._gp_names.values()), 'gradpress')}@agreement"
+        result = self._gp_meter.decide(
+            lambda v: api.push_pull(v.float(), name, average=False, compression="none",
+                                    ef="none"), api.size())
+        self._gp_dense |= {p for p, n in self._gp_names.items() if n in result.exact}
+        if first:
+            log.info("measured over %d dense steps: exact %s", result.steps,
+                     sorted(result.exact) or "none")
+        return result
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus, under ``"gradpress"``, this worker's codec state
@@ -254,6 +289,8 @@ class _Distributed:
         if api.is_initialized():
             names = set(self._gp_names.values()) | {_FLAG_NAME}
             state["gradpress"] = api.worker_state_dict(names)
+        if self._gp_meter is not None:
+            state["gradpress_agreement"] = self._gp_meter.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -263,7 +300,13 @@ class _Distributed:
 
         state = dict(state_dict)
         codec_state = state.pop("gradpress", None)
+        agreement = state.pop("gradpress_agreement", None)
         super(self.__class__, self).load_state_dict(state)
+        if agreement is not None and self._gp_meter is not None:
+            self._gp_meter.load_state_dict(agreement)
+            if self._gp_meter.result is not None:
+                self._gp_dense |= {p for p, n in self._gp_names.items()
+                                   if n in self._gp_meter.result.exact}
         if codec_state is not None:
             api.load_worker_state_dict(codec_state)
 
