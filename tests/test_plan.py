@@ -205,7 +205,7 @@ def test_train_prints_the_plan_once_and_reports_it(tmp_path: Path) -> None:
            str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    assert p.stdout.count("gradpress plan: the gradient travels compressed after 2 dense") == 1
+    assert p.stdout.count("plan of run run: the gradient travels compressed after 2 dense") == 1
     rep = json.loads((out / "report.json").read_text())
     plan = rep["plan"]
     assert plan["step"] == 2 and plan["dense_steps"] == 2
@@ -222,6 +222,10 @@ def test_print_plan(capsys: pytest.CaptureFixture, compressed: bool) -> None:
     from gradpress.train.report import print_plan
 
     plan = gp.CLAN(_model().named_parameters(), min_compress_bytes=16 << 10).plan()
-    print_plan(plan, compressed)
+    print_plan(plan, compressed, run="r1")
     text = capsys.readouterr().out
-    assert (text == plan.format() + "\n") if compressed else "nothing is compressed" in text
+    if compressed:
+        assert text == plan.format("plan of run r1") + "\n"
+        assert text.splitlines()[1:] == plan.format().splitlines()[1:]
+    else:
+        assert text == "plan of run r1: nothing is compressed (compression none), 6 tensors\n"

@@ -135,9 +135,10 @@ class Plan:
                 "compressed_tensors": self.compressed_tensors,
                 "tensors": [asdict(t) for t in self.tensors]}
 
-    def format(self) -> str:
-        """A fixed-width text table: one line per tensor, then the totals."""
-        return _format(self)
+    def format(self, label: str = "gradpress plan") -> str:
+        """A fixed-width text table under a heading that starts with ``label``: one line per
+        tensor, then the totals."""
+        return _format(self, label)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,7 +290,7 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
-def _format(plan: Plan) -> str:
+def _format(plan: Plan, label: str) -> str:
     """:meth:`Plan.format`: a heading, one line per tensor and a total line."""
     head = ("tensor", "elements", "codec", "pushed/step", "fp32", "reason")
     rows = [(t.name, f"{t.numel:,}", t.codec, _human(t.bytes_per_step), _human(t.fp32_bytes),
@@ -302,13 +303,13 @@ def _format(plan: Plan) -> str:
     right = (False, True, False, True, True, False)
     lines = ["  ".join(c.rjust(w) if rj else c.ljust(w)
                        for c, w, rj in zip(r, widths, right)).rstrip() for r in (head, *rows)]
-    return "\n".join([_title(plan), *lines[:-1], "-" * max(map(len, lines)), lines[-1]])
+    return "\n".join([_title(plan, label), *lines[:-1], "-" * max(map(len, lines)), lines[-1]])
 
 
-def _title(plan: Plan) -> str:
+def _title(plan: Plan, label: str) -> str:
     if not plan.compressed_tensors:
-        return f"gradpress plan: nothing is compressed; the {plan.communicates} travels as fp32"
+        return f"{label}: nothing is compressed; the {plan.communicates} travels as fp32"
     when = (f"after {plan.dense_steps} dense steps ({_human(plan.dense_bytes_per_step)} a step)"
             if plan.dense_steps else "from the first step")
-    return (f"gradpress plan: the {plan.communicates} travels compressed {when}, error "
+    return (f"{label}: the {plan.communicates} travels compressed {when}, error "
             f"feedback {plan.ef or 'none'}")

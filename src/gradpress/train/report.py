@@ -191,11 +191,13 @@ def codec_ratios(named: Sequence[tuple[str, Any]], spec: str, min_compress_bytes
             "model_vs_fp16": ratio(model_dense // 2, model_wire)}
 
 
-def print_plan(plan: Any, compressed: bool = True) -> None:
+def print_plan(plan: Any, compressed: bool = True, run: str | None = None) -> None:
     """Print a :class:`~gradpress.torch.plan.Plan`'s table to stdout (one line when nothing is
-    compressed), above a tqdm progress bar if one is running."""
-    text = plan.format() if compressed else \
-        f"gradpress plan: nothing is compressed (compression none), {len(plan.tensors)} tensors"
+    compressed; headed "plan of run RUN" when ``run`` is given), above a tqdm progress bar if
+    one is running."""
+    label = "gradpress plan" if run is None else f"plan of run {run}"
+    text = plan.format(label) if compressed else \
+        f"{label}: nothing is compressed (compression none), {len(plan.tensors)} tensors"
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency

@@ -284,7 +284,7 @@ class Session:
         if self._plan is None:
             self._plan = opt.plan()
         if self.steps >= self._plan.dense_steps:
-            print_plan(self._plan, self.cfg.compressed)
+            print_plan(self._plan, self.cfg.compressed, self.cfg.name)
             self._write_plan()
 
     def _write_plan(self) -> None:
