@@ -105,6 +105,7 @@ WORKER = textwrap.dedent('''
             opt.step()
         a = opt.decide_exact()
         res[kind] = {"exact": sorted(a.exact), "values": dict(a.values), "steps": a.steps,
+                     "plan": {t.name: (t.codec, t.reason) for t in opt.plan().tensors},
                      "params": torch.cat([p.detach().reshape(-1) for p in m.parameters()])}
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
@@ -125,3 +126,7 @@ def test_noisy_tensor_travels_exact_on_every_worker(tmp_path: Path) -> None:
         assert w0[kind]["steps"] == 6
         assert w0[kind]["values"][f"{kind}.signal"] > 0.9
         assert torch.equal(w0[kind]["params"], w1[kind]["params"])
+        codec, reason = w0[kind]["plan"][f"{kind}.noise"]  # the plan says what was measured
+        assert codec == "exact" and "agree" in reason, reason
+        codec, reason = w0[kind]["plan"][f"{kind}.signal"]
+        assert codec == "onebit" and "agree" in reason, reason

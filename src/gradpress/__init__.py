@@ -9,6 +9,7 @@ The public API (see ``docs/reference/api.md``)::
     opt = gp.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters(), ...)
     opt = gp.CLAN(model.named_parameters(), lr=1e-3, compression="onebit")       # the paper's
     opt = gp.OneBitLANS(model.named_parameters(), lr=1e-3, compression="onebit")  # transformers
+    print(opt.plan().format())    # per tensor: exact or which codec, bytes per step, and why
     gp.broadcast_parameters(model.state_dict(), root_rank=0)
     gp.stats(); gp.shutdown()
 """
@@ -41,6 +42,8 @@ _LAZY = {
     "DistributedOptimizer": "gradpress.torch.optimizer",
     "CLAN": "gradpress.torch.clan",
     "OneBitLANS": "gradpress.torch.clan",
+    "Plan": "gradpress.torch.plan",
+    "TensorPlan": "gradpress.torch.plan",
     "broadcast_parameters": "gradpress.torch.broadcast",
     "broadcast_optimizer_state": "gradpress.torch.broadcast",
     "broadcast_object": "gradpress.torch.broadcast",

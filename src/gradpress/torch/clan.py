@@ -20,6 +20,7 @@ from ..optim import OneBitLANS as _OneBitLANSCore
 from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
+from .plan import MomentumTraffic, set_momentum_traffic
 
 __all__ = ["CLAN", "OneBitLANS"]
 
@@ -197,6 +198,9 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
                           dense_steps=dense_steps, communicate=communicate)
     groups.extend(opt.param_groups)
     exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)
+    set_momentum_traffic(opt, MomentumTraffic(prefix=f"{prefix}.clan_m.", compression=spec,
+                                              min_compress_bytes=min_compress_bytes,
+                                              exact_keys=frozenset(exact)))
     # The wrapper averages dense gradients during the dense phase and stops once the
     # optimizer's compression_active turns true (it communicates momenta from then on).
     wrapper.append(DistributedOptimizer(

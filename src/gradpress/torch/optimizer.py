@@ -42,12 +42,13 @@ import torch
 
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from .agreement import Agreement, AgreementMeter
+from .plan import NONFINITE_KEY, Plan, optimizer_plan
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
 
 log = logging.getLogger(__name__)
 NAN_POLICIES = ("raise", "skip")
-_FLAG_NAME = "gradpress.nonfinite"
+_FLAG_NAME = NONFINITE_KEY
 #: A ``min_compress_bytes`` no tensor reaches: the tensor travels uncompressed (fp32, exact) and
 #: keeps the worker-side momentum of dist-EF-SGDM, as tensors below the threshold do. How the
 #: ``uncompressed_params`` travel, here and in the 1-bit optimizers' momentum push_pulls.
@@ -229,6 +230,14 @@ class _Distributed:
                         p.grad.fill_(float("inf"))
                 log.warning("non-finite gradient on %d worker(s): step skipped on all workers",
                             int(total[0]))
+
+    def plan(self) -> Plan:
+        """What this optimizer pushes per step once compression starts, tensor by tensor:
+        codec or exact, bytes, and why (:class:`~gradpress.torch.plan.Plan`; ``print(
+        opt.plan().format())`` shows the table). Computed locally from the parameters and the
+        configuration, so it works before ``gradpress.init()`` and is the same on every
+        worker; see ``docs/guide.md``."""
+        return optimizer_plan(self)
 
     @property
     def step_skipped(self) -> bool:

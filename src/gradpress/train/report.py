@@ -8,6 +8,9 @@ goes (so an interrupted run keeps every finished step):
   "bytes_pulled", "dense_fp32_bytes", "stages": {...}}``: byte counts are this worker's
   per-step deltas of ``gp.stats()`` (each worker sends and receives the same amount);
 * ``{"kind": "eval", "step", "time_s", "metrics": {...}, "primary", "higher_is_better"}``;
+* ``{"kind": "plan", "step", ...}`` at the first compressed step (or at the end of a run that
+  never left its dense phase): the optimizer's :class:`~gradpress.torch.plan.Plan`
+  (``Plan.to_dict()``), which becomes the report's ``"plan"``;
 * ``{"kind": "summary", ...}`` at the end of a completed run (config, hyperparameters, wall
   time, stage totals, codec byte counts, replica check), or ``{"kind": "end", "status":
   "interrupted"}``.
@@ -20,12 +23,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["MetricsWriter", "read_metrics", "run_report", "write_json", "plot_runs",
-           "format_run", "format_table", "human_bytes"]
+           "format_run", "format_table", "human_bytes", "print_plan", "codec_ratios"]
 
 _RUNTIME_STAGES = ("compress_s", "send_s", "wait_s", "decompress_s")
 
@@ -125,6 +129,9 @@ def run_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         rep["codec"] = codec
         rep["compressed_ratio_vs_fp32"] = codec["compressed_vs_fp32"]
         rep["compressed_ratio_vs_fp16"] = codec["compressed_vs_fp16"]
+    plan = next((r for r in reversed(records) if r.get("kind") == "plan"), None)
+    if plan is not None:
+        rep["plan"] = {k: v for k, v in plan.items() if k not in ("kind", "run")}
     rep["stages_s"] = _stages(steps, summary)
     if end is not None:
         rep["reason"] = end.get("reason")
@@ -146,6 +153,58 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj
+
+
+def codec_ratios(named: Sequence[tuple[str, Any]], spec: str, min_compress_bytes: int,
+                 partition_bytes: int, exact: Collection[str] = ()) -> dict[str, Any]:
+    """Bytes on the wire per step from the codecs' ``payload_bytes`` (one direction).
+
+    Tensors of at least ``min_compress_bytes`` are cut into chunks of ``partition_bytes`` and
+    each chunk costs the codec's payload; smaller ones, those named in ``exact`` (and all with
+    codec ``none``) cost a ``none`` payload (fp32 + header) and do not count as compressed
+    tensors.
+    """
+    from ..compress import build
+    from ..compress.spec import parse_spec
+    from ..ps.partition import chunk_layout
+
+    comp_dense = comp_wire = model_dense = model_wire = ncomp = 0
+    dense_only = parse_spec(spec).name == "none"
+    for name, p in named:
+        numel = p.numel()
+        small = dense_only or 4 * numel < min_compress_bytes or name in exact
+        chunks = chunk_layout(numel, partition_bytes)
+        wire = sum(build("none" if small else spec, c.numel).payload_bytes for c in chunks)
+        model_dense, model_wire = model_dense + 4 * numel, model_wire + wire
+        if not small:
+            comp_dense, comp_wire, ncomp = comp_dense + 4 * numel, comp_wire + wire, ncomp + 1
+
+    def ratio(a: int, b: int) -> float | None:
+        return a / b if b else None
+
+    return {"compressed_tensors": ncomp, "tensors": len(named),
+            "compressed_fp32_bytes": comp_dense, "compressed_wire_bytes": comp_wire,
+            "model_fp32_bytes": model_dense, "model_wire_bytes": model_wire,
+            "compressed_vs_fp32": ratio(comp_dense, comp_wire),
+            "compressed_vs_fp16": ratio(comp_dense // 2, comp_wire),
+            "model_vs_fp32": ratio(model_dense, model_wire),
+            "model_vs_fp16": ratio(model_dense // 2, model_wire)}
+
+
+def print_plan(plan: Any, compressed: bool = True, run: str | None = None) -> None:
+    """Print a :class:`~gradpress.torch.plan.Plan`'s table to stdout (one line when nothing is
+    compressed; headed "plan of run RUN" when ``run`` is given), above a tqdm progress bar if
+    one is running."""
+    label = "gradpress plan" if run is None else f"plan of run {run}"
+    text = plan.format(label) if compressed else \
+        f"{label}: nothing is compressed (compression none), {len(plan.tensors)} tensors"
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        print(text, flush=True)
+        return
+    tqdm.write(text)
+    sys.stdout.flush()
 
 
 def _smooth(values: list[float], alpha: float = 0.1) -> list[float]:

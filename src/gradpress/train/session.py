@@ -2,8 +2,9 @@
 
 A session builds the configured optimizer, drives the learning-rate schedule, times the stages
 of each step, and (on rank 0) appends one JSON record per step to ``metrics.jsonl`` with the
-bytes that crossed the wire (per-step deltas of ``gp.stats()``). A user script started by
-``gradpress train ... -- python my_train.py`` gets the same machinery::
+bytes that crossed the wire (per-step deltas of ``gp.stats()``); at the first compressed step
+rank 0 prints the optimizer's plan (``opt.plan()``, see ``docs/train.md``) and records it. A
+user script started by ``gradpress train ... -- python my_train.py`` gets the same machinery::
 
     import gradpress as gp
     from gradpress.train import Session
@@ -41,7 +42,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from ..compress.registry import ef_needs_lr
 from .config import MOMENTUM_OPTIMIZERS, TrainConfig
 from .guard import DivergenceGuard, TrainingDiverged
 from .hparams import lr_factor, resolve_hparams
-from .report import MetricsWriter
+from .report import MetricsWriter, codec_ratios, print_plan
 
 __all__ = ["Session", "CONFIG_ENV", "STAGES", "resolve_hparams", "codec_ratios"]
 
@@ -62,42 +63,6 @@ CONFIG_ENV = "GRADPRESS_TRAIN_CONFIG"
 STAGES = ("data", "compute", "sync", "update", "eval")
 _RUNTIME_STAGES = ("compress_s", "send_s", "wait_s", "decompress_s")
 _BYTES = ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes")
-
-
-def codec_ratios(named: list[tuple[str, torch.Tensor]], spec: str, min_compress_bytes: int,
-                 partition_bytes: int, exact: Collection[str] = ()) -> dict[str, Any]:
-    """Bytes on the wire per step from the codecs' ``payload_bytes`` (one direction).
-
-    Tensors of at least ``min_compress_bytes`` are cut into chunks of ``partition_bytes`` and
-    each chunk costs the codec's payload; smaller ones, those named in ``exact`` (and all with
-    codec ``none``) cost a ``none`` payload (fp32 + header) and do not count as compressed
-    tensors.
-    """
-    from ..compress import build
-    from ..compress.spec import parse_spec
-    from ..ps.partition import chunk_layout
-
-    comp_dense = comp_wire = model_dense = model_wire = ncomp = 0
-    dense_only = parse_spec(spec).name == "none"
-    for name, p in named:
-        numel = p.numel()
-        small = dense_only or 4 * numel < min_compress_bytes or name in exact
-        chunks = chunk_layout(numel, partition_bytes)
-        wire = sum(build("none" if small else spec, c.numel).payload_bytes for c in chunks)
-        model_dense, model_wire = model_dense + 4 * numel, model_wire + wire
-        if not small:
-            comp_dense, comp_wire, ncomp = comp_dense + 4 * numel, comp_wire + wire, ncomp + 1
-
-    def ratio(a: int, b: int) -> float | None:
-        return a / b if b else None
-
-    return {"compressed_tensors": ncomp, "tensors": len(named),
-            "compressed_fp32_bytes": comp_dense, "compressed_wire_bytes": comp_wire,
-            "model_fp32_bytes": model_dense, "model_wire_bytes": model_wire,
-            "compressed_vs_fp32": ratio(comp_dense, comp_wire),
-            "compressed_vs_fp16": ratio(comp_dense // 2, comp_wire),
-            "model_vs_fp32": ratio(model_dense, model_wire),
-            "model_vs_fp16": ratio(model_dense // 2, model_wire)}
 
 
 class Session:
@@ -132,6 +97,8 @@ class Session:
         self._started = False
         self.setup_s = 0.0
         self._last_eval: dict[str, Any] | None = None
+        self._plan: Any = None       # rank 0: the optimizer's Plan, from the first step on
+        self._plan_written = False
         self._lr = float(self.hparams["lr"])
         frac = cfg.stop_on_divergence
         self.guard = DivergenceGuard(frac) if frac is not None and self.rank == 0 else None
@@ -182,6 +149,7 @@ class Session:
             names = {p: n for n, p in self._named}
             flat = [p for g in opt.param_groups for p in g["params"]]
             self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
+            self._describe_momentum(opt)
         self.set_lr(opt)  # records each group's peak lr; the first step's lr, before backward
         return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
 
@@ -208,6 +176,18 @@ class Session:
             return cls(groups, dense_steps=hp["dense_steps"], **kw)
         cls = {"lans": LANS, "lamb": LAMB, "adam": torch.optim.AdamW}[cfg.optimizer]
         return cls(groups, **kw)
+
+    def _describe_momentum(self, opt: torch.optim.Optimizer) -> None:
+        """Tell the optimizer's plan how :meth:`_communicate_momentum` pushes the momenta."""
+        from ..compress.spec import CodecSpec, parse_spec
+        from ..torch.plan import MomentumTraffic, set_momentum_traffic
+
+        cs, ef = parse_spec(self.cfg.compression), self.cfg.effective_ef
+        spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, **({"ef": ef} if ef else {})})
+        set_momentum_traffic(opt, MomentumTraffic(
+            prefix=f"{self.cfg.name}.m.", compression=spec,
+            min_compress_bytes=self.cfg.min_compress_bytes,
+            exact_keys=frozenset(self._exact_keys)))
 
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
         """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
@@ -287,6 +267,7 @@ class Session:
         if any("peak_lr" not in g for g in opt.param_groups):  # not scheduled by the session yet
             self.set_lr(opt)
         lr = self._lr = opt.param_groups[0]["lr"]  # 1-bit momenta pushed in the update carry it
+        self._note_plan(opt)
         with self.stage("sync"):
             opt.synchronize()  # type: ignore[attr-defined]
         with self.stage("update"), opt.skip_synchronize():  # type: ignore[attr-defined]
@@ -294,6 +275,23 @@ class Session:
         self.steps += 1
         self.set_lr(opt)
         return lr
+
+    def _note_plan(self, opt: torch.optim.Optimizer) -> None:
+        """Rank 0, once: at the first compressed step print the optimizer's plan (what travels
+        compressed, what exact, and why) and record it (``report.json``'s ``"plan"``)."""
+        if self.writer is None or self._plan_written or not hasattr(opt, "plan"):
+            return
+        if self._plan is None:
+            self._plan = opt.plan()
+        if self.steps >= self._plan.dense_steps:
+            print_plan(self._plan, self.cfg.compressed, self.cfg.name)
+            self._write_plan()
+
+    def _write_plan(self) -> None:
+        if self.writer is not None and self._plan is not None and not self._plan_written:
+            self.writer.write({"kind": "plan", "run": self.cfg.name, "step": self.steps,
+                               **self._plan.to_dict()})
+            self._plan_written = True
 
     # -- metrics --------------------------------------------------------------------------------
     @staticmethod
@@ -354,6 +352,7 @@ class Session:
             return
         from .. import api
 
+        self._write_plan()  # a run that ended in its dense phase: the plan it would have used
         rec = {"kind": "summary", "run": self.cfg.name, "status": "completed",
                "config": self.cfg.to_dict(), "hparams": self.hparams, "steps": self.steps,
                "workers": self.size, "wall_s": time.perf_counter() - self._t0,

@@ -1,0 +1,337 @@
+"""What a distributed optimizer sends: :class:`Plan`, one :class:`TensorPlan` row per tensor.
+
+``opt.plan()`` on an optimizer returned by :func:`gradpress.DistributedOptimizer`,
+:func:`gradpress.CLAN` or :func:`gradpress.OneBitLANS` answers "what is compressed, and why",
+computed locally from the parameters and the configuration (no communication, no random
+draws), so it works before ``gradpress.init()`` and is the same on every worker:
+
+1. Each communicated tensor gets a :class:`Decision`: its codec, or exact (fp32), and a
+   reason. :func:`decide` is the rule the optimizers apply today: exact when compression is
+   ``"none"``, when the tensor is named in ``uncompressed_params`` or when it is smaller than
+   ``min_compress_bytes``; compressed with the codec otherwise.
+2. The tensor is cut into chunks of ``partition_bytes`` as the runtime cuts it
+   (:func:`gradpress.ps.partition.chunk_layout`), and each chunk costs its codec's
+   ``payload_bytes`` (header included): the bytes this worker pushes for it per step, which
+   ``gradpress.stats()["bytes_pushed"]`` counts. Which server a chunk goes to does not change
+   its size, so the cluster's size plays no part.
+
+See ``docs/guide.md`` ("See what is compressed") for how to read the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..compress.spec import CodecSpec
+
+if TYPE_CHECKING:
+    from ..ps.config import PSConfig
+
+__all__ = ["Plan", "TensorPlan", "Decision", "MomentumTraffic", "decide", "tensor_plan",
+           "codec_text"]
+
+#: The ``codec`` of a tensor that travels uncompressed (fp32 and a header, no error feedback).
+EXACT = "exact"
+#: The one-element push of ``nan_policy="skip"`` (the key :class:`DistributedOptimizer` uses).
+NONFINITE_KEY = "gradpress.nonfinite"
+#: Where :func:`set_momentum_traffic` leaves a 1-bit optimizer's :class:`MomentumTraffic`.
+MOMENTUM_ATTR = "_gp_momentum_traffic"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """How one tensor travels in the compressed phase, and why."""
+
+    #: The codec, or None: exact (fp32).
+    codec: CodecSpec | None
+    #: A short sentence a user reads in the plan's table.
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPlan:
+    """One communicated tensor in the compressed phase."""
+
+    #: The parameter's name (as in ``named_parameters``).
+    name: str
+    #: The name it is pushed under (the momentum's key for the 1-bit optimizers).
+    key: str
+    #: Elements of the tensor.
+    numel: int
+    #: The codec spec text, or ``"exact"`` (fp32, uncompressed).
+    codec: str
+    #: Chunks the runtime cuts it into (``partition_bytes`` each at most).
+    chunks: int
+    #: Bytes this worker pushes for it per step: the codecs' payloads, headers included.
+    bytes_per_step: int
+    #: Its bytes as fp32 (``4 * numel``).
+    fp32_bytes: int
+    #: Why it travels so.
+    reason: str
+
+    @property
+    def compressed(self) -> bool:
+        """Whether a codec (not fp32) carries it."""
+        return self.codec != EXACT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What an optimizer pushes per step in its compressed phase, tensor by tensor.
+
+    The rows are in the optimizer's parameter order (the order of ``param_groups``), which is
+    also the order of the 1-bit optimizers' momentum keys. Pulls carry the servers' payloads,
+    of the same sizes.
+    """
+
+    #: The rows, one per communicated tensor.
+    tensors: tuple[TensorPlan, ...]
+    #: What travels: ``"gradient"`` or ``"momentum"`` (1-bit Adam and OneBitLANS).
+    communicates: str
+    #: Opening steps that push every tensor uncompressed before the compressed phase.
+    dense_steps: int
+    #: Error feedback of the compressed tensors (its text), or None.
+    ef: str | None
+    #: Chunk size of the runtime (``GRADPRESS_PARTITION_BYTES``).
+    partition_bytes: int
+    #: Tensors below this many bytes travel exact.
+    min_compress_bytes: int
+
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes this worker pushes per compressed step (all rows)."""
+        return sum(t.bytes_per_step for t in self.tensors)
+
+    @property
+    def fp32_bytes(self) -> int:
+        """The rows' bytes as fp32."""
+        return sum(t.fp32_bytes for t in self.tensors)
+
+    @property
+    def dense_bytes_per_step(self) -> int:
+        """Bytes pushed per dense step: every tensor exact (fp32 and chunk headers)."""
+        return sum(_payload(None, c) for t in self.tensors
+                   for c in _chunk_sizes(t.numel, self.partition_bytes))
+
+    @property
+    def ratio(self) -> float | None:
+        """fp32 bytes over pushed bytes in the compressed phase (None without tensors)."""
+        return self.fp32_bytes / self.bytes_per_step if self.bytes_per_step else None
+
+    @property
+    def compressed_tensors(self) -> int:
+        """How many rows a codec carries."""
+        return sum(t.compressed for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (rows and totals)."""
+        return {"communicates": self.communicates, "dense_steps": self.dense_steps,
+                "ef": self.ef, "partition_bytes": self.partition_bytes,
+                "min_compress_bytes": self.min_compress_bytes,
+                "bytes_per_step": self.bytes_per_step, "fp32_bytes": self.fp32_bytes,
+                "ratio_vs_fp32": self.ratio, "dense_bytes_per_step": self.dense_bytes_per_step,
+                "compressed_tensors": self.compressed_tensors,
+                "tensors": [asdict(t) for t in self.tensors]}
+
+    def format(self, label: str = "gradpress plan") -> str:
+        """A fixed-width text table under a heading that starts with ``label``: one line per
+        tensor, then the totals."""
+        return _format(self, label)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MomentumTraffic:
+    """How a 1-bit optimizer's ``communicate`` pushes its momenta, described for the plan."""
+
+    #: The key of the momentum of flat parameter ``i`` is ``prefix + str(i)``.
+    prefix: str
+    #: Its codec spec (error feedback in the wrappers).
+    compression: CodecSpec
+    #: The ``min_compress_bytes`` of its push_pulls (None: the runtime's default).
+    min_compress_bytes: int | None
+    #: The keys (flat positions, as text) that always travel exact.
+    exact_keys: frozenset[str]
+
+
+def codec_text(spec: CodecSpec) -> str:
+    """The codec's spec text as written, without the wrappers: ``topk:k=0.001,values=fp16``."""
+    body = ",".join(f"{k}={v}" for k, v in spec.params.items())
+    return f"{spec.name}:{body}" if body else spec.name
+
+
+def size_text(n: int) -> str:
+    """``16384`` -> ``'16 KiB'``, ``1 << 20`` -> ``'1 MiB'``; other sizes in bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def decide(name: str, numel: int, *, spec: CodecSpec, min_compress_bytes: int,
+           exact: bool) -> Decision:
+    """The optimizers' rule (step 1 of the module docstring) for one tensor.
+
+    ``exact``: the tensor is named in ``uncompressed_params``. The runtime compares
+    ``4 * numel`` (its fp32 bytes) with ``min_compress_bytes``, whatever the tensor's dtype.
+    """
+    if spec.name == "none":
+        return Decision(codec=None, reason="compression is none")
+    if exact:
+        return Decision(codec=None, reason="named in uncompressed_params")
+    if 4 * numel < min_compress_bytes:
+        return Decision(codec=None,
+                        reason=f"below min_compress_bytes ({size_text(min_compress_bytes)})")
+    return Decision(codec=CodecSpec(spec.name, dict(spec.params)),
+                    reason=f"compressed with {codec_text(spec)}")
+
+
+def tensor_plan(name: str, key: str, numel: int, decision: Decision, partition_bytes: int,
+                *, what: str = "gradient") -> TensorPlan:
+    """The row of one tensor: its chunks' payload bytes under ``decision`` (step 2).
+
+    ``what="momentum"`` prefixes the reason (the 1-bit optimizers send the momentum).
+    """
+    sizes = _chunk_sizes(numel, partition_bytes)
+    codec = decision.codec
+    reason = decision.reason if what == "gradient" else f"momentum {decision.reason}"
+    return TensorPlan(name=name, key=key, numel=numel,
+                      codec=EXACT if codec is None else codec_text(codec), chunks=len(sizes),
+                      bytes_per_step=sum(_payload(codec, n) for n in sizes),
+                      fp32_bytes=4 * numel, reason=reason)
+
+
+def plan_rows(entries: Iterable[tuple[str, str, int, bool]], *, spec: CodecSpec,
+              min_compress_bytes: int, partition_bytes: int, what: str = "gradient",
+              decide_fn: Callable[..., Decision] = decide) -> tuple[TensorPlan, ...]:
+    """Rows of ``(name, key, numel, exact)`` entries under one spec and threshold.
+
+    ``decide_fn`` (default :func:`decide`) is where a rule that measures the gradients would
+    put its per-tensor decisions.
+    """
+    return tuple(tensor_plan(name, key, numel,
+                             decide_fn(name, numel, spec=spec,
+                                       min_compress_bytes=min_compress_bytes, exact=exact),
+                             partition_bytes, what=what)
+                 for name, key, numel, exact in entries)
+
+
+def runtime_config() -> PSConfig:
+    """The runtime's options: those in effect after ``gradpress.init()``, else those it would
+    read from the environment (``partition_bytes``, ``min_compress_bytes``, ``ef``)."""
+    from .. import api
+    from ..ps.config import PSConfig
+
+    return api.config() if api.is_initialized() else PSConfig.from_env()
+
+
+def _chunk_sizes(numel: int, partition_bytes: int) -> list[int]:
+    from ..ps.partition import chunk_layout
+
+    return [c.numel for c in chunk_layout(numel, partition_bytes)]
+
+
+_PAYLOADS: dict[tuple[str, int], int] = {}
+
+
+def _payload(codec: CodecSpec | None, numel: int) -> int:
+    """The payload bytes of one chunk of ``numel`` elements (cached: codecs are pure)."""
+    from ..compress import build
+
+    spec = CodecSpec("none") if codec is None else codec
+    text = codec_text(spec)
+    if (text, numel) not in _PAYLOADS:
+        _PAYLOADS[(text, numel)] = build(spec, numel).payload_bytes
+    return _PAYLOADS[(text, numel)]
+
+
+def optimizer_plan(opt: Any) -> Plan:
+    """The plan of a :func:`~gradpress.torch.optimizer.DistributedOptimizer` (its
+    ``plan()``): its gradients, or the momenta its 1-bit optimizer pushes itself."""
+    from ..ps.calls import resolve_codec
+
+    cfg = runtime_config()
+    traffic: MomentumTraffic | None = getattr(opt, MOMENTUM_ATTR, None)
+    if traffic is None:
+        spec, limit, what = opt._gp_spec, opt._gp_min_bytes, "gradient"
+        dense_steps = opt._gp_dense_steps
+        entries = [(n, n, p.numel(), p in opt._gp_dense)
+                   for p, n in opt._gp_names.items() if p.requires_grad]
+    else:
+        spec, limit, what = traffic.compression, traffic.min_compress_bytes, "momentum"
+        dense_steps = int(opt.param_groups[0]["dense_steps"])
+        flat = [p for g in opt.param_groups for p in g["params"]]
+        entries = [(opt._gp_names[p], f"{traffic.prefix}{i}", p.numel(),
+                    str(i) in traffic.exact_keys)
+                   for i, p in enumerate(flat) if p.requires_grad]
+    limit = cfg.min_compress_bytes if limit is None else limit
+    rows = plan_rows(entries, spec=spec, min_compress_bytes=limit,
+                     partition_bytes=cfg.partition_bytes, what=what,
+                     decide_fn=_measured_rule(getattr(opt, "_gp_meter", None)))
+    if opt._gp_nan == "skip":  # one flag a step: the workers agree to skip non-finite steps
+        flag = Decision(codec=None, reason="nan_policy='skip': agrees to skip non-finite steps")
+        rows += (tensor_plan(NONFINITE_KEY, NONFINITE_KEY, 1, flag, cfg.partition_bytes),)
+    return Plan(tensors=rows, communicates=what, dense_steps=dense_steps,
+                ef=resolve_codec(spec, None, cfg)[1]["ef"], partition_bytes=cfg.partition_bytes,
+                min_compress_bytes=limit)
+
+
+def _measured_rule(meter: Any) -> Callable[..., Decision]:
+    """:func:`decide`, with the tensors that ``uncompressed_params="auto"`` measured
+    (:mod:`gradpress.torch.agreement`) exact and every reason saying what was measured."""
+    if meter is None:
+        return decide
+
+    def rule(name: str, numel: int, *, spec: CodecSpec, min_compress_bytes: int,
+             exact: bool) -> Decision:
+        result = meter.result
+        if result is not None and name in result.exact and spec.name != "none":
+            return Decision(codec=None, reason=result.reason(name))
+        d = decide(name, numel, spec=spec, min_compress_bytes=min_compress_bytes, exact=exact)
+        if d.codec is None:
+            return d
+        note = "agreement not measured yet (dense phase)" if result is None \
+            else result.reason(name)
+        return Decision(codec=d.codec, reason=f"{d.reason}; {note}")
+
+    return rule
+
+
+def set_momentum_traffic(opt: Any, traffic: MomentumTraffic) -> None:
+    """Tell the plan of ``opt`` (a 1-bit optimizer, before it is wrapped in
+    ``DistributedOptimizer``) how its ``communicate`` pushes the momenta."""
+    setattr(opt, MOMENTUM_ATTR, traffic)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def _format(plan: Plan, label: str) -> str:
+    """:meth:`Plan.format`: a heading, one line per tensor and a total line."""
+    head = ("tensor", "elements", "codec", "pushed/step", "fp32", "reason")
+    rows = [(t.name, f"{t.numel:,}", t.codec, _human(t.bytes_per_step), _human(t.fp32_bytes),
+             t.reason) for t in plan.tensors]
+    ratio = "" if plan.ratio is None else f", {plan.ratio:.1f}x vs fp32"
+    rows.append(("total", f"{sum(t.numel for t in plan.tensors):,}", "",
+                 _human(plan.bytes_per_step), _human(plan.fp32_bytes),
+                 f"{plan.compressed_tensors} of {len(plan.tensors)} compressed{ratio}"))
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+    right = (False, True, False, True, True, False)
+    lines = ["  ".join(c.rjust(w) if rj else c.ljust(w)
+                       for c, w, rj in zip(r, widths, right)).rstrip() for r in (head, *rows)]
+    return "\n".join([_title(plan, label), *lines[:-1], "-" * max(map(len, lines)), lines[-1]])
+
+
+def _title(plan: Plan, label: str) -> str:
+    if not plan.compressed_tensors:
+        return f"{label}: nothing is compressed; the {plan.communicates} travels as fp32"
+    when = (f"after {plan.dense_steps} dense steps ({_human(plan.dense_bytes_per_step)} a step)"
+            if plan.dense_steps else "from the first step")
+    return (f"{label}: the {plan.communicates} travels compressed {when}, error "
+            f"feedback {plan.ef or 'none'}")
