@@ -52,8 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--compression", default="onebit", help="the factory's codec spec")
     f.add_argument("--ef", default=None, help="the factory's error feedback (default: its own)")
     f.add_argument("--dense-steps", type=int, default=100, help="the factory's dense steps")
-    f.add_argument("--uncompressed-params", nargs="*", default=[],
-                   help="parameter names kept exact (e.g. pos.weight)")
+    f.add_argument("--uncompressed-params", nargs="*", default="auto",
+                   help="parameter names kept exact (e.g. pos.weight; none given: none); "
+                        "default: the factory's own, measured in the dense phase")
     f.add_argument("--min-compress-bytes", type=int, default=16 << 10,
                    help="smaller tensors travel exact (default 16 KiB, as gradpress train; "
                         "the factories' own 1 MiB would leave this small model dense)")

@@ -89,7 +89,12 @@ def run(args: argparse.Namespace) -> dict:
         grads = []
         for r in range(args.workers):
             model.zero_grad()
-            task.loss(model, next(batches[r])).backward()
+            batch = next(batches[r], None)
+            if batch is None:  # next epoch
+                epoch = step // task.steps_per_epoch(args.workers, d.batch_size)
+                batches[r] = task.train_batches(r, args.workers, d.batch_size, args.seed, epoch)
+                batch = next(batches[r])
+            task.loss(model, batch).backward()
             grads.append({n: p.grad.detach().clone() for n, p in named})
         avg = {n: sum(gr[n] for gr in grads) / args.workers for n, _ in named}
         for n, _ in named:

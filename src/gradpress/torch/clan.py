@@ -86,9 +86,12 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
             underflow.
         min_compress_bytes: tensors smaller than this travel uncompressed and exact. Default
             1 MiB: compressing small tensors saves little and costs their accuracy.
-        uncompressed_params: names or ``fnmatch`` patterns of parameters that always travel
-            exact, whatever their size; each must match a name. Rule of thumb: a learned
-            position embedding.
+        uncompressed_params: which tensors travel exact (fp32), whatever their size. Default
+            ``"auto"``: measured during the dense phase, identically on every worker; a tensor
+            whose gradients agree little across workers (mostly noise, like a learned position
+            embedding's) travels exact (:mod:`gradpress.torch.agreement`; ``opt.plan()`` shows
+            the measure). Or names / ``fnmatch`` patterns, each matching a name, to choose by
+            hand (``()``: none). Rule of thumb: keep the default.
 
     Returns:
         A :class:`gradpress.optim.LANS` turned into a distributed optimizer.
@@ -156,9 +159,12 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         eps: added to ``sqrt(v)``. Default 1e-6 (LANS's).
         min_compress_bytes: tensors smaller than this travel uncompressed and exact. Default
             1 MiB.
-        uncompressed_params: names or ``fnmatch`` patterns of parameters whose momenta always
-            travel exact; each must match a name. Rule of thumb: keep a learned position
-            embedding here.
+        uncompressed_params: which tensors' momenta travel exact (fp32). Default ``"auto"``:
+            measured during the dense phase, identically on every worker; a tensor whose
+            gradients agree little across workers (mostly noise, like a learned position
+            embedding's) travels exact (:mod:`gradpress.torch.agreement`; ``opt.plan()`` shows
+            the measure). Or names / ``fnmatch`` patterns to choose by hand (``()``: none).
+            Rule of thumb: keep the default.
 
     Returns:
         A :class:`gradpress.optim.OneBitLANS` turned into a distributed optimizer (it averages

@@ -264,7 +264,11 @@ class _Distributed:
                 self.decide_exact()
         if self._gp_skipped:  # step 3: agreed skip
             return None
-        return super(self.__class__, self).step(closure)  # step 4
+        out = super(self.__class__, self).step(closure)  # step 4
+        if self._gp_meter is not None and self._gp_meter.result is None \
+                and not self._gp_communicates():
+            self.decide_exact()  # a 1-bit optimizer's dense phase just ended
+        return out
 
     def decide_exact(self) -> Agreement | None:
         """With ``uncompressed_params="auto"``: decide, once and the same on every worker,

@@ -284,6 +284,7 @@ class Session:
         if self._plan is None:
             self._plan = opt.plan()
         if self.steps >= self._plan.dense_steps:
+            self._plan = opt.plan()  # again: decisions measured in the dense phase are made
             print_plan(self._plan, self.cfg.compressed, self.cfg.name)
             self._write_plan()
 
