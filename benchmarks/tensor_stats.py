@@ -160,6 +160,29 @@ def measure(step, named, grads, avg, m, v, v_hist, total_bytes, args) -> dict:
     return out
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def summary_row(path: Path, step: int) -> list[str]:
+    """One row of the results table: a record's agreement at ``step``, lowest first."""
+    res = json.loads(path.read_text())
+    row = next(r for r in res["rows"] if r["step"] == step)
+    ags = sorted(((t["agree_r"], n) for n, t in row["tensors"].items()))
+    a = res["args"]
+    low = ", ".join(f"`{n}` {v:.2f}" for v, n in ags[:2])
+    return [a["task"], str(a["workers"]), str(a["seed"]), str(step), low,
+            ", ".join(f"`{n}`" for v, n in ags if v < 0.2) or "none"]
+
+
+def update_results(files: list[Path], step: int) -> None:
+    """Write the table ``which-exact`` of benchmarks/results/accuracy.json from records."""
+    target = RESULTS / "accuracy.json"
+    data = json.loads(target.read_text())
+    table = next(t for t in data["tables"] if t["id"] == "which-exact")
+    table["rows"] = [summary_row(f, step) for f in files]
+    target.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", default="stdlib-mlm")
@@ -171,7 +194,13 @@ def main() -> None:
     p.add_argument("--window", type=int, default=20, help="steps over which v_move is taken")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--update-results", nargs="+", type=Path, metavar="RECORD",
+                   help="only rewrite the results table from these --json records")
+    p.add_argument("--at", type=int, default=100, help="with --update-results: the step shown")
     args = p.parse_args()
+    if args.update_results:
+        update_results(args.update_results, args.at)
+        return
     res = run(args)
     for row in res["rows"]:
         print(f"step {row['step']}: v_move (model) {row['v_move_model']:.4f}")
