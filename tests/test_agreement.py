@@ -130,3 +130,26 @@ def test_noisy_tensor_travels_exact_on_every_worker(tmp_path: Path) -> None:
         assert codec == "exact" and "agree" in reason, reason
         codec, reason = w0[kind]["plan"][f"{kind}.signal"]
         assert codec == "onebit" and "agree" in reason, reason
+
+
+def test_auto_min_compress_bytes_compresses_most_bytes_of_any_model() -> None:
+    from gradpress.torch.agreement import auto_min_compress_bytes
+
+    # a small model: its matrices (95%+ of the bytes) compressed, biases exact
+    assert auto_min_compress_bytes([64 << 10, 64 << 10, 512, 512]) == 64 << 10
+    # a large one: every tensor of 1 MiB or more, whatever the share
+    assert auto_min_compress_bytes([64 << 20, 2 << 20, 1 << 20, 4096]) == 1 << 20
+    assert auto_min_compress_bytes([]) == 1 << 20
+
+
+@pytest.mark.parametrize("task", ["digits-cnn", "stdlib-mlm"])
+def test_auto_min_compress_bytes_on_the_bundled_tasks(task: str) -> None:
+    import gradpress as gp
+    from gradpress.tasks import get_task
+
+    model = get_task(task).build_model(0)
+    auto = gp.OneBitLANS(model.named_parameters(), uncompressed_params=()).plan()
+    by_hand = gp.OneBitLANS(model.named_parameters(), uncompressed_params=(),
+                            min_compress_bytes=16 << 10).plan()  # gradpress train's default
+    assert [t.codec for t in auto.tensors] == [t.codec for t in by_hand.tensors]
+    assert auto.compressed_tensors >= 6 and auto.ratio > 10

@@ -17,6 +17,11 @@ not. The dense phase measures this on the real gradients, the same way on every 
 
 With one worker nothing can be measured and every tensor is compressed as configured.
 Measured on the bundled tasks in ``benchmarks/tensor_stats.py`` (``docs/guide.md``).
+
+Tensors too small to compress (``min_compress_bytes="auto"``, :func:`auto_min_compress_bytes`)
+are chosen from the sizes alone: the largest tensors that together hold
+:data:`COMPRESSED_SHARE` of the model's bytes are compressed, the rest (biases, norms) travel
+exact, and no tensor of 1 MiB or more is left out, in a small model or a large one.
 """
 
 from __future__ import annotations
@@ -28,11 +33,32 @@ from typing import Any
 
 import torch
 
-__all__ = ["AGREEMENT_THRESHOLD", "Agreement", "AgreementMeter"]
+__all__ = ["AGREEMENT_THRESHOLD", "COMPRESSED_SHARE", "Agreement", "AgreementMeter",
+           "auto_min_compress_bytes"]
 
 #: Tensors whose gradients agree less than this across workers travel exact. A learned
 #: position embedding measured about 0.1, every other tensor of the bundled tasks 0.3 or more.
 AGREEMENT_THRESHOLD = 0.2
+
+
+#: ``min_compress_bytes="auto"`` compresses the largest tensors holding this share of the bytes.
+COMPRESSED_SHARE = 0.95
+#: ... and every tensor of this size or more, whatever the share.
+MAX_MIN_COMPRESS_BYTES = 1 << 20
+
+
+def auto_min_compress_bytes(sizes: Iterable[int]) -> int:
+    """``min_compress_bytes="auto"``: the fp32 bytes of the smallest tensor among the largest
+    ones that together hold :data:`COMPRESSED_SHARE` of ``sizes`` (fp32 bytes per tensor),
+    at most :data:`MAX_MIN_COMPRESS_BYTES`; tensors below it travel exact. The same on every
+    worker (a pure function of the model's shapes)."""
+    ordered = sorted((int(n) for n in sizes), reverse=True)
+    total, acc = sum(ordered), 0
+    for n in ordered:
+        acc += n
+        if acc >= COMPRESSED_SHARE * total:
+            return min(n, MAX_MIN_COMPRESS_BYTES)
+    return MAX_MIN_COMPRESS_BYTES  # no tensors
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from ..optim import OneBitLANS as _OneBitLANSCore
 from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
+from .agreement import auto_min_compress_bytes
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
 from .plan import MomentumTraffic, set_momentum_traffic
 
@@ -39,7 +40,7 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
          lr: float = 1e-3, *, compression: Compression = "onebit", ef: EFLike = "vanilla",
          dense_steps: int = DEFAULT_DENSE_STEPS, weight_decay: float = 0.01,
          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-         min_compress_bytes: int | None = 1 << 20,
+         min_compress_bytes: int | str | None = "auto",
          uncompressed_params: Iterable[str] | str = "auto") -> torch.optim.Optimizer:
     """CLAN (Zhong, Xie, Zheng, Lin 2021, "Compressed Communication for Distributed Training:
     Adaptive Methods and System"): LANS driven by the two-way compressed gradient.
@@ -85,8 +86,11 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
             direction against the instant gradient. Lower ``b2`` (0.99) if the loss spikes.
         eps: added to ``sqrt(v)``. Default 1e-6 (the paper's); raise it if fp16 gradients
             underflow.
-        min_compress_bytes: tensors smaller than this travel uncompressed and exact. Default
-            1 MiB: compressing small tensors saves little and costs their accuracy.
+        min_compress_bytes: tensors smaller than this (fp32 bytes) travel uncompressed and
+            exact. Default ``"auto"``: the largest tensors holding 95% of the model's bytes are
+            compressed, and every tensor of 1 MiB or more
+            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`), so a small model is
+            compressed too; biases and norms, a small share, stay exact.
         uncompressed_params: which tensors travel exact (fp32), whatever their size. Default
             ``"auto"``: measured during the dense phase, identically on every worker; a tensor
             whose gradients agree little across workers (mostly noise, like a learned position
@@ -115,7 +119,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
                lr: float = 1e-3, *, compression: Compression = "onebit",
                ef: EFLike = DEFAULT_MOMENTUM_EF, dense_steps: int = DEFAULT_DENSE_STEPS,
                weight_decay: float = 0.01, betas: tuple[float, float] = (0.9, 0.999),
-               eps: float = 1e-6, min_compress_bytes: int | None = 1 << 20,
+               eps: float = 1e-6, min_compress_bytes: int | str | None = "auto",
                uncompressed_params: Iterable[str] | str = "auto") -> torch.optim.Optimizer:
     """1-bit LANS: LANS whose workers communicate their momentum, compressed two ways, after a
     dense phase, as 1-bit Adam (Tang et al. 2021) and 1-bit LAMB (Li et al. 2021) do.
@@ -159,8 +163,10 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         betas: ``(b1, b2)``. Default ``(0.9, 0.999)``; a high ``b1`` averages the momentum's
             compression error out, so do not lower it much.
         eps: added to ``sqrt(v)``. Default 1e-6 (LANS's).
-        min_compress_bytes: tensors smaller than this travel uncompressed and exact. Default
-            1 MiB.
+        min_compress_bytes: tensors smaller than this (fp32 bytes) travel uncompressed and
+            exact. Default ``"auto"``: the largest tensors holding 95% of the model's bytes are
+            compressed, and every tensor of 1 MiB or more
+            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
         uncompressed_params: which tensors' momenta travel exact (fp32). Default ``"auto"``:
             measured during the dense phase, identically on every worker; a tensor whose
             gradients agree little across workers (mostly noise, like a learned position
@@ -182,6 +188,8 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     _check_dense_steps(dense_steps, 1)
     named, param_groups = _groups(named_parameters, weight_decay)
     dense = _exact_names(named, uncompressed_params)
+    if min_compress_bytes == "auto":
+        min_compress_bytes = auto_min_compress_bytes(4 * p.numel() for _, p in named)
     spec = _spec(compression, ef)  # checked now, not when the dense phase ends
     needs_lr = ef_needs_lr(ef)
     prefix = named[0][0] if named else "clan"  # distinct per model: names key the tensors

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
-from .agreement import Agreement, AgreementMeter
+from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
 from .plan import NONFINITE_KEY, Plan, optimizer_plan
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
@@ -59,7 +59,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
         compression: str | Mapping[str, Any] | CodecSpec | None = "none",
         ef: str | EFSpec | None = None,
-        momentum: str | None = None, mu: float = 0.9, min_compress_bytes: int | None = 1 << 20,
+        momentum: str | None = None, mu: float = 0.9,
+        min_compress_bytes: int | str | None = 1 << 20,
         backward_passes_per_step: int = 1, nan_policy: str = "raise",
         dense_steps: int = 0,
         uncompressed_params: Iterable[str] | str = ()) -> torch.optim.Optimizer:
@@ -78,6 +79,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             optimizer's own momentum off then.
         mu: that momentum's coefficient.
         min_compress_bytes: gradients smaller than this travel uncompressed (exact).
+            ``"auto"``: the largest tensors holding 95% of the bytes are compressed
+            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
         backward_passes_per_step: gradients accumulate locally over this many backward passes
             before one push_pull (not divided: scale the loss if you want a mean).
         nan_policy: ``"raise"`` (non-finite gradients are an error) or ``"skip"`` (the step is
@@ -123,15 +126,21 @@ class _Distributed:
 
     def _gp_init(self, named_parameters: Iterable[tuple[str, Any]] | None, compression: Any,
                  ef: str | EFSpec | None, momentum: str | None, mu: float,
-                 min_compress_bytes: int | None,
+                 min_compress_bytes: int | str | None,
                  passes: int, nan_policy: str, uncompressed: Iterable[str]) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {', '.join(NAN_POLICIES)}, "
                              f"got {nan_policy!r}")
-        if min_compress_bytes is not None and min_compress_bytes < 0:
-            raise ValueError(f"min_compress_bytes must be >= 0, got {min_compress_bytes}")
+        if min_compress_bytes == "auto":
+            min_compress_bytes = auto_min_compress_bytes(
+                4 * p.numel() for g in self.param_groups for p in g["params"] if p.requires_grad)
+        if min_compress_bytes is not None and (
+                isinstance(min_compress_bytes, bool) or not isinstance(min_compress_bytes, int)
+                or min_compress_bytes < 0):
+            raise ValueError(f"min_compress_bytes must be an int >= 0, 'auto' or None, got "
+                             f"{min_compress_bytes!r}")
         cs = parse_spec(compression)
         wrappers = dict(cs.wrappers)
         for k, v in (("ef", ef), ("momentum", momentum)):
