@@ -153,3 +153,19 @@ def test_auto_min_compress_bytes_on_the_bundled_tasks(task: str) -> None:
                             min_compress_bytes=16 << 10).plan()  # gradpress train's default
     assert [t.codec for t in auto.tensors] == [t.codec for t in by_hand.tensors]
     assert auto.compressed_tensors >= 6 and auto.ratio > 10
+
+
+def test_gradpress_train_uncompressed_params_auto(tmp_path: Path) -> None:
+    """`gradpress train --uncompressed-params auto`: measured in the dense phase, and every
+    compressible tensor's plan row gives its measured agreement."""
+    import json
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn", "--steps", "4",
+           "--dense-steps", "2", "--compression", "onebit", "--uncompressed-params", "auto",
+           "--no-progress", "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    plan = json.loads((out / "report.json").read_text())["plan"]
+    reasons = [t["reason"] for t in plan["tensors"] if t["fp32_bytes"] >= 16 << 10]
+    assert reasons and all("agree" in r for r in reasons), reasons

@@ -57,8 +57,8 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
        residual that error feedback carries over. Weight decay is decoupled and applied to
        matrices and kernels only (:func:`gradpress.optim.weight_decay_groups`).
 
-    The same algorithm as ``gradpress train --optimizer clan`` (which keeps exact only the
-    tensors named in ``--uncompressed-params``). Gradient accumulation and AMP's skipped
+    The same as ``gradpress train --optimizer clan --uncompressed-params auto`` (the CLI's
+    default keeps exact only the tensors it names). Gradient accumulation and AMP's skipped
     steps: wrap :func:`gradpress.optim.clan` in :func:`gradpress.DistributedOptimizer` yourself.
 
     Args:
@@ -135,9 +135,9 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
        step along it (the trust ratio ``||x||/||r||``), so the replicas stay identical.
 
     Compressing the momentum instead of the gradient keeps a transformer's compressed run close
-    to uncompressed LANS where CLAN falls behind (``docs/guide.md``). The same algorithm as
-    ``gradpress train --optimizer onebit-lans`` (which keeps exact only the tensors named in
-    ``--uncompressed-params``); the single-process core is
+    to uncompressed LANS where CLAN falls behind (``docs/guide.md``). The same as
+    ``gradpress train --optimizer onebit-lans --uncompressed-params auto`` (the CLI's default
+    keeps exact only the tensors it names); the single-process core is
     :class:`gradpress.optim.OneBitLANS`.
 
     Args:

@@ -76,7 +76,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 def _check_param_names(cfg: TrainConfig) -> None:
     """A bundled task's ``--uncompressed-params`` must name its parameters: checked on a model
     built here, before any process starts (script mode checks in the workers)."""
-    if not cfg.task or not cfg.uncompressed_params:
+    if not cfg.task or cfg.uncompressed_params in ((), ("auto",)):
         return
     from ..tasks import get_task
     from ..torch.optimizer import match_names

@@ -118,7 +118,8 @@ class TrainConfig:
                                                "exact", metavar="BYTES")
     uncompressed_params: tuple[str, ...] = option((), "parameters (names or fnmatch patterns, "
                                                       "e.g. pos.weight) whose gradients or "
-                                                      "momenta always travel uncompressed",
+                                                      "momenta always travel uncompressed; "
+                                                      "auto: measured in the dense phase",
                                                   metavar="NAME")
     stop_on_divergence: float | None = option(None, "stop (status failed) when the 50-step "
                                                     "mean training loss climbs back this "

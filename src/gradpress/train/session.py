@@ -92,6 +92,10 @@ class Session:
         self._named: list[tuple[str, torch.Tensor]] = []
         self._exact: frozenset[str] = frozenset()   # names that always travel uncompressed
         self._exact_keys: set[str] = set()          # their 1-bit Adam/LANS momentum keys
+        self._auto = False                          # --uncompressed-params auto
+        self._auto_taken = False
+        self._wrapper: Any = None
+        self._flat_names: list[str] = []
         self._created = self._t0 = self._last_t = time.perf_counter()
         self._last_stats = self._stats()
         self._started = False
@@ -133,25 +137,40 @@ class Session:
         cfg, hp = self.cfg, self.hparams
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._named = [(f"{cfg.name}.{n}", p) for n, p in named]
-        exact = match_names([n for n, _ in named], cfg.uncompressed_params,
-                            "--uncompressed-params")
+        self._auto = cfg.uncompressed_params == ("auto",)  # measured in the dense phase
+        exact = () if self._auto else match_names([n for n, _ in named],
+                                                  cfg.uncompressed_params, "--uncompressed-params")
         self._exact = frozenset(f"{cfg.name}.{n}" for n in exact)
         groups = weight_decay_groups(model.parameters(), hp["weight_decay"])
         wrap: dict[str, Any] = {"compression": cfg.compression, "ef": cfg.effective_ef,
                                 "min_compress_bytes": cfg.min_compress_bytes,
                                 "dense_steps": hp.get("dense_steps", 0),
-                                "uncompressed_params": sorted(self._exact)}
+                                "uncompressed_params": "auto" if self._auto
+                                else sorted(self._exact)}
         opt = self._build(groups, wrap, options)
         if cfg.optimizer in MOMENTUM_OPTIMIZERS:
             opt.communicate = self._communicate_momentum
-            wrap = {"compression": "none"}
+            wrap = {"compression": "none", "uncompressed_params": "auto" if self._auto else ()}
             # the momentum keys are positions in the optimizer's flat parameter order
             names = {p: n for n, p in self._named}
             flat = [p for g in opt.param_groups for p in g["params"]]
             self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
             self._describe_momentum(opt)
         self.set_lr(opt)  # records each group's peak lr; the first step's lr, before backward
-        return gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
+        self._wrapper = gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
+        names_of = {p: n for n, p in self._named}
+        self._flat_names = [names_of.get(p, "") for g in opt.param_groups for p in g["params"]]
+        return self._wrapper
+
+    def _measured_exact(self) -> None:
+        """``--uncompressed-params auto``: take the tensors the dense phase measured as exact
+        (decided at its end, the same on every worker) into the names and momentum keys."""
+        meter = getattr(self._wrapper, "_gp_meter", None) if self._auto else None
+        if meter is None or meter.result is None or self._auto_taken:
+            return
+        self._auto_taken = True
+        self._exact = frozenset(meter.result.exact)
+        self._exact_keys = {str(i) for i, n in enumerate(self._flat_names) if n in self._exact}
 
     def _build(self, groups: list[dict[str, Any]], wrap: dict[str, Any],
                options: Mapping[str, Any]) -> torch.optim.Optimizer:
@@ -195,6 +214,7 @@ class Session:
         from gradpress.torch.optimizer import ALWAYS_EXACT
 
         ef = self.cfg.effective_ef
+        self._measured_exact()
         exact = key in self._exact_keys  # named tensors travel as small tensors do
         return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
                                   compression=self.cfg.compression, ef=ef,
@@ -360,6 +380,7 @@ class Session:
                "setup_s": self.setup_s,
                "stages_s": {f"{k}_s": v for k, v in self.stage_s.items()},
                "replicas_identical": same, **extra}
+        self._measured_exact()
         if self._named:
             rec["codec"] = codec_ratios(self._named, self.cfg.compression,
                                         self.cfg.min_compress_bytes, api.config().partition_bytes,
