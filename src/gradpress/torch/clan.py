@@ -197,12 +197,13 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     wrapper: list[Any] = []                     # the DistributedOptimizer, once built
     # keys are positions in the optimizer's flat parameter order (the groups hold named's order)
     exact: set[str] = set()
+    decided = [dense is not None]               # "auto": not until the dense phase has ended
 
     def communicate(key: str, m: torch.Tensor) -> Any:
-        if not exact and dense is None:  # the first compressed step: decide from the measure
+        if not decided[0]:  # the first compressed step: take the measured decision
             chosen = wrapper[0].decide_exact().exact
             exact.update(str(i) for i, (n, _) in enumerate(named) if n in chosen)
-            exact.add("")  # decided (an empty decision too)
+            decided[0] = True
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
         step_lr = groups[0]["lr"] if needs_lr else None
