@@ -16,9 +16,11 @@ PayloadError naming sender, bucket and shard, none hangs, the bucket buffer is z
 """
 
 import datetime
+import gc
 import os
 import pickle
 import socket
+import sys
 import time
 
 import numpy as np
@@ -164,7 +166,20 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     res["stats"], res["buckets"] = state.compression_stats(), len(state.state_dict()["buckets"])
     scenario_reference(rank, res)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    shutdown()
+
+
+def shutdown() -> None:
+    """End the rank without the interpreter's shutdown. After a failed DDP backward torch keeps
+    ten references to the process group from C++ (plain DDP with a hook that raises does the
+    same), so gloo's threads are still alive when the interpreter shuts down, and about one run
+    in ten then aborts ("terminate called without an active exception"). The results are saved
+    before this; an error before it still fails the rank."""
+    gc.collect()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- hostile senders: rank BAD corrupts what it sends -------------------------------------------
@@ -257,7 +272,7 @@ def hostile_worker(rank: int, port: int, out_dir: str) -> None:
     res = {case: hostile_case(rank, *case) for case in HOSTILE}
     res["ddp"] = ddp_case(rank)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    shutdown()
 
 
 # -- the tests ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Modelled on PyTorch's ``ddp_comm_hooks/powerSGD_hook.py``: a state object holdin
 hyperparameters and the per-bucket state, and a pure hook function.
 """
 
+import copy
 import functools
 import logging
 from collections.abc import Mapping
@@ -111,7 +112,10 @@ class TwoWayCompressionState:
         self._steps: dict[int, int] = {}
         self._loaded: dict[int, Mapping[str, Any]] = {}
         self._inflight: BucketExchange | None = None
-        self._error: BaseException | None = None  # set by a failure; the hook then refuses
+        # "Type: message" of the first failure; the hook then refuses. A description, not the
+        # exception: its traceback's frames would keep the bucket (and through DDP's reducer the
+        # process group) alive in a cycle until interpreter exit, where gloo aborts.
+        self._error: str | None = None
         self._stats = dict.fromkeys(("compressed_buckets", "allreduced_buckets", "dense_bytes",
                                      "payload_bytes", "allreduce_bytes"), 0)
 
@@ -259,7 +263,7 @@ class TwoWayCompressionState:
             work = all_gather_async(c.gathered, c.agg, job.group)
             work.get_future().then(functools.partial(self._gathered, job))
         except BaseException as e:
-            job.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            _set_exception(job.future, e)
             raise
 
     def _abort(self, job: BucketExchange) -> None:
@@ -279,28 +283,47 @@ class TwoWayCompressionState:
             fut.wait()  # re-raises a failed all-gather
             finish(job)
         except Exception as e:
-            self._error = self._error or e
-            job.future.set_exception(e)
+            self._error = self._error or _describe(e)
+            _set_exception(job.future, e)
             return
         job.future.set_result(job.buffer)
 
     def _fail(self, exc: BaseException) -> None:
         """Fail the bucket in flight; this state stops (see ``_check_usable``)."""
         if self._error is None:
-            self._error = exc
+            self._error = _describe(exc)
         job, self._inflight = self._inflight, None
         if job is not None and not job.future.done():
-            job.future.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            _set_exception(job.future, exc)
 
     def _check_usable(self, index: int) -> None:
         """After a failure the ranks no longer agree on the collectives: refuse to issue more."""
         err = self._error
         if err is None:
             return
-        self._fail(err)
-        raise GradpressError(f"two_way_compression_hook: bucket {index}: an earlier bucket failed "
-                             f"({type(err).__name__}: {err}); this state stops: build a new "
-                             f"TwoWayCompressionState or load_state_dict a checkpoint") from err
+        exc = GradpressError(f"two_way_compression_hook: bucket {index}: an earlier bucket "
+                             f"failed ({err}); this state stops: build a new "
+                             f"TwoWayCompressionState or load_state_dict a checkpoint")
+        self._fail(exc)
+        raise exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _set_exception(fut: torch.futures.Future, exc: BaseException) -> None:
+    """Fail ``fut`` with a copy of ``exc`` that has no traceback. torch keeps a future's
+    exception in C++, out of the garbage collector's sight, and the traceback's frames hold the
+    bucket's job, whose future this is: the cycle would keep the process group alive until
+    interpreter exit, where gloo aborts ("terminate called without an active exception")."""
+    try:
+        detached = copy.copy(exc) if isinstance(exc, Exception) else None
+    except Exception:  # an exception type that cannot be rebuilt from its args
+        detached = None
+    if detached is None:
+        detached = RuntimeError(_describe(exc))
+    fut.set_exception(detached)
 
 
 def _allreduce_average(buf: torch.Tensor, group: Any) -> torch.futures.Future:
