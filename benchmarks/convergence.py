@@ -160,6 +160,9 @@ LRS: dict[tuple[str, str, str], float] = {
     ("stdlib-mlm", "onebit-lans", "*"): 1e-2, ("digits-cnn", "onebit-lans", "*"): 4e-3,
     ("stdlib-mlm", "adam", "*"): 1e-3, ("stdlib-mlm", "onebit-adam", "*"): 1e-3,
     ("stdlib-mlm", "sgd-ef", "*"): 0.1,
+    # stdlib-lm: stdlib-mlm's rates, not tuned for it
+    ("stdlib-lm", "lans", "*"): 1e-2, ("stdlib-lm", "onebit-lans", "*"): 1e-2,
+    ("stdlib-lm", "clan", "*"): 1e-2,
 }
 
 

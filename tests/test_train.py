@@ -43,7 +43,7 @@ def _pngs_ok(d: Path, names: tuple[str, ...] = PLOTS) -> None:
 
 # -- configuration and bad input (no process starts) -------------------------------------------
 @pytest.mark.parametrize("kw, words", [
-    ({"task": "mnist"}, ["unknown task 'mnist'", "digits-cnn", "stdlib-mlm"]),
+    ({"task": "mnist"}, ["unknown task 'mnist'", "digits-cnn", "stdlib-lm", "stdlib-mlm"]),
     ({"compression": "zip"}, ["unknown codec 'zip'", "onebit", "topk"]),
     ({"compression": "topk:kk=3"}, ["unknown parameter", "valid parameters: k, values"]),
     ({"optimizer": "rmsprop"}, ["unknown optimizer 'rmsprop'", "clan", "onebit-adam"]),
@@ -162,7 +162,7 @@ def test_bad_input_fails_before_any_process_starts(tmp_path: Path,
 
     monkeypatch.setattr("gradpress.launch.launch", no_launch)
     for argv, msg in (
-            (["--task", "nope"], "valid tasks: digits-cnn, stdlib-mlm"),
+            (["--task", "nope"], "valid tasks: digits-cnn, stdlib-lm, stdlib-mlm"),
             (["--task", "digits-cnn", "--optimizer", "adagrad"], "valid optimizers: clan"),
             (["--task", "digits-cnn", "--compression", "gzip"], "valid codecs: none"),
             (["--task", "stdlib-mlm", "--uncompressed-params", "pos.weight", "position"],

@@ -11,6 +11,7 @@ Every task's data ships with an installed package (no network)::
 
 Tasks:
     ``digits-cnn``  scikit-learn's 8x8 digits, residual CNN (needs scikit-learn).
+    ``stdlib-lm``   byte-level causal (next-byte) language model on the Python documentation.
     ``stdlib-mlm``  byte-level masked language model on the Python stdlib's source.
 """
 
@@ -27,6 +28,7 @@ __all__ = ["Batch", "EvalResult", "Task", "TaskDefaults", "get_task", "task_name
 # task name -> "module:class"; imported on first use so importing gradpress.tasks stays light.
 _TASKS = {
     "digits-cnn": "gradpress.tasks.digits:DigitsTask",
+    "stdlib-lm": "gradpress.tasks.stdlib_lm:StdlibLMTask",
     "stdlib-mlm": "gradpress.tasks.stdlib_mlm:StdlibMLMTask",
 }
 
