@@ -5,8 +5,9 @@ Two uses, both on a bundled task (model, data, evaluation and training loop from
 ``gradpress.tasks`` and ``gradpress.train.worker``, as ``gradpress train --task`` runs them):
 
 1. ``--method onebit-lans`` (default) or ``--method clan``: the optimizer a user builds,
-   ``gp.OneBitLANS`` or ``gp.CLAN``, with this script's codec, error feedback, dense steps and
-   exact tensors (``gradpress train``'s ``--compression`` then only labels the report and warms
+   ``gp.OneBitLANS`` or ``gp.CLAN``, with this script's codec and, where given, error
+   feedback, dense steps, exact tensors and ``min_compress_bytes`` (the factory's own defaults
+   where not; ``gradpress train``'s ``--compression`` then only labels the report and warms
    the links up)::
 
        gradpress train --compression onebit --lr 0.01 --steps 800 --warmup-steps 30 --seed 0 \\
@@ -51,13 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f = p.add_argument_group("the factories (--method onebit-lans or clan)")
     f.add_argument("--compression", default="onebit", help="the factory's codec spec")
     f.add_argument("--ef", default=None, help="the factory's error feedback (default: its own)")
-    f.add_argument("--dense-steps", type=int, default=100, help="the factory's dense steps")
+    f.add_argument("--dense-steps", type=int, default=None,
+                   help="the factory's dense steps (default: its own, 100)")
     f.add_argument("--uncompressed-params", nargs="*", default="auto",
                    help="parameter names kept exact (e.g. pos.weight; none given: none); "
                         "default: the factory's own, measured in the dense phase")
-    f.add_argument("--min-compress-bytes", type=int, default=16 << 10,
-                   help="smaller tensors travel exact (default 16 KiB, as gradpress train; "
-                        "the factories' own 1 MiB would leave this small model dense)")
+    f.add_argument("--min-compress-bytes", type=int, default=None,
+                   help="smaller tensors travel exact (default: the factory's own, \"auto\": "
+                        "the largest tensors holding 95%% of the bytes are compressed; "
+                        "16384 is gradpress train's default)")
     s = p.add_argument_group("experiment switches of the optimizer classes (--method train)")
     s.add_argument("--variance", choices=("frozen", "local"),
                    help="onebit-lans: the second moment after the dense phase")
@@ -91,6 +94,14 @@ def optimizer_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def factory_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The factory's keywords of the options given (its own defaults for the others)."""
+    opts = {"ef": args.ef, "dense_steps": args.dense_steps,
+            "min_compress_bytes": args.min_compress_bytes}
+    return {"uncompressed_params": args.uncompressed_params,
+            **{k: v for k, v in opts.items() if v is not None}}
+
+
 def run_factory(args: argparse.Namespace) -> None:
     """Use 1: the public factory in a user's training script."""
     s = Session.from_env()
@@ -99,12 +110,9 @@ def run_factory(args: argparse.Namespace) -> None:
     model = task.build_model(s.cfg.seed)
     model.train()
     wd = task.defaults.weight_decay if s.cfg.weight_decay is None else s.cfg.weight_decay
-    kw = {} if args.ef is None else {"ef": args.ef}
     factory = getattr(gp, FACTORIES[args.method])
     opt = factory(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
-                  weight_decay=wd, dense_steps=args.dense_steps,
-                  uncompressed_params=args.uncompressed_params,
-                  min_compress_bytes=args.min_compress_bytes, **kw)
+                  weight_decay=wd, **factory_options(args))
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})
     s.start()
     # 2-3. the bundled task's own loop (the one `gradpress train --task` runs): steps with the

@@ -1,0 +1,324 @@
+"""The accuracy targets of issue 26 ("accuracy at the defaults"): one command reruns them.
+
+Usage::
+
+    python benchmarks/targets.py --write          # run what is missing (hours), write the table
+    python benchmarks/targets.py --dry-run        # only the commands of the missing runs
+    python benchmarks/targets.py --targets onebit-mlm-800 --seeds 0 --collect-only  # no runs
+
+Steps:
+
+1. Each target of :data:`TARGETS` (task, length, the recommended method's codec, threshold)
+   becomes two ``gradpress train`` runs per seed on 2 workers: the baseline, uncompressed LANS
+   on the bundled task (``--task``), and the method, ``gp.OneBitLANS`` at its defaults in
+   script mode (``benchmarks/clan_script.py``), with the task's lr warm-up given explicitly
+   (script mode has no task, hence no warm-up of its own). digits-cnn runs the task's default
+   epochs: ``--epochs`` for the baseline, the same as ``--steps`` for the method (a script's
+   session counts steps only). Run directories:
+   ``OUT/<task>/<optimizer>_<codec>_st<steps>_s<seed>``; targets share their baselines.
+2. Run every run without a completed ``report.json``, one after the other (unless
+   ``--collect-only``; ``--dry-run`` prints the commands only), with ``convergence.execute``.
+3. Per seed, the method's gap to the baseline of the same seed: ``100 * (val_loss /
+   baseline val_loss - 1)`` for the transformers, ``test accuracy - baseline`` in points for
+   digits-cnn. A target is met when every seed's gap is within its threshold and, where
+   required, every method run's whole-run ratio vs fp32 (``model_ratio_vs_fp32``) is at least
+   ``min_ratio``; it is incomplete while a run is missing.
+4. Print one table (and the commands of the first seed); with ``--write``, put it as the table
+   ``targets`` into ``benchmarks/results/accuracy.json`` and re-render ``docs/results.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results_md  # noqa: E402
+from convergence import CODECS, STUDY_SCRIPT, Run, completed, execute, lr_for  # noqa: E402
+
+#: Worker processes of every run (``gradpress train``'s default).
+WORKERS = 2
+#: Weight decay of both kinds of runs.
+WEIGHT_DECAY = 0.01
+#: The headline metric of each unit, a key of the report's ``final_eval``.
+METRIC = {"%": "val_loss", "points": "test_accuracy"}
+#: How a gap of each unit is written.
+SUFFIX = {"%": "%", "points": " pts"}
+#: Codec spec -> the grid's short name, which names run directories (``topk``).
+SHORT = {spec: name for name, spec in CODECS.items()}
+#: Where ``--write`` puts the table.
+TABLE_ID, RESULTS_FILE = "targets", "accuracy.json"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One accuracy target: the method within ``threshold`` of LANS on every seed."""
+
+    name: str
+    task: str
+    steps: int | None  # None: the task's default length (its epochs on WORKERS workers)
+    codec: str         # the method's compression spec
+    threshold: float   # the gap allowed: percent of val_loss, or points of accuracy
+    unit: str          # "%" or "points"
+    seeds: tuple[int, ...] = (0, 1, 2)
+    min_ratio: float | None = None  # whole-run bytes vs fp32 the method must reach
+
+
+_TOPK = "topk:k=0.001,values=fp16"
+#: The targets of issue 26.
+TARGETS: tuple[Target, ...] = (
+    Target("none-mlm", "stdlib-mlm", 800, "none", 1.0, "%"),
+    Target("none-lm", "stdlib-lm", 800, "none", 1.0, "%"),
+    *(Target(f"onebit-mlm-{n}", "stdlib-mlm", n, "onebit", 3.0, "%", min_ratio=8.0)
+      for n in (800, 1600, 3200)),
+    Target("topk-mlm-1600", "stdlib-mlm", 1600, _TOPK, 5.0, "%"),
+    Target("onebit-lm-800", "stdlib-lm", 800, "onebit", 3.0, "%"),
+    Target("onebit-digits", "digits-cnn", None, "onebit", 1.0, "points"),
+)
+
+
+@dataclass(frozen=True)
+class FactoryRun(Run):
+    """The method's run: ``gp.OneBitLANS`` at its defaults through ``clan_script.py``."""
+
+    warmup_steps: int = 0
+
+    def command(self, python: str = "python", script: str = STUDY_SCRIPT) -> list[str]:
+        """``gradpress train`` in script mode (the lr warm-up explicit: no task, no default)."""
+        spec = CODECS[self.codec]
+        return ["gradpress", "train", "--optimizer", self.optimizer, "--compression", spec,
+                "--lr", f"{self.lr:g}", "--steps", str(self.steps),
+                "--warmup-steps", str(self.warmup_steps), "--weight-decay", f"{WEIGHT_DECAY:g}",
+                "--seed", str(self.seed), "--no-progress", "--out", str(self.out),
+                "--", python, script, "--task", self.task, "--compression", spec]
+
+
+@cache
+def _task(name: str) -> Any:
+    from gradpress.tasks import get_task
+
+    return get_task(name)
+
+
+def length(t: Target) -> int:
+    """Optimizer steps of the target's runs (a task's default length on WORKERS workers)."""
+    if t.steps is not None:
+        return t.steps
+    task = _task(t.task)
+    return task.defaults.total_steps(task.steps_per_epoch(WORKERS, task.defaults.batch_size))
+
+
+def pair(t: Target, seed: int, out: Path) -> tuple[Run, FactoryRun]:
+    """Step 1: the (baseline, method) runs of one seed."""
+    steps, root = length(t), out / t.task
+    epochs = _task(t.task).defaults.epochs if t.steps is None else None
+    lr = lr_for(t.task, "lans", "none")
+    base = Run(t.task, "lans", "none", "base", seed, lr, None if epochs else steps, epochs,
+               root / f"lans_none_st{steps}_s{seed}", {"weight-decay": WEIGHT_DECAY})
+    codec = SHORT[t.codec]
+    method = FactoryRun(t.task, "onebit-lans", codec, "factory", seed,
+                        lr_for(t.task, "onebit-lans", codec), steps, None,
+                        root / f"onebit-lans_{codec}_st{steps}_s{seed}",
+                        warmup_steps=_task(t.task).defaults.warmup_steps)
+    return base, method
+
+
+def all_runs(targets: Sequence[Target], out: Path) -> list[Run]:
+    """Every run of ``targets``, each once (targets share baselines), in target order."""
+    return list({r.out: r for t in targets for s in t.seeds for r in pair(t, s, out)}.values())
+
+
+def value(rep: Mapping[str, Any], unit: str) -> float:
+    """The report's final val_loss, or test accuracy in percent (KeyError: not in it)."""
+    ev = rep.get("final_eval") or {rep["metric"]["name"]: rep["metric"]["value"]}
+    v = float(ev[METRIC[unit]])
+    return 100.0 * v if unit == "points" else v
+
+
+def gap(method: Mapping[str, Any], base: Mapping[str, Any], unit: str) -> float:
+    """Step 3: percent of the baseline's loss, or points of accuracy (negative: worse)."""
+    m, b = value(method, unit), value(base, unit)
+    return m - b if unit == "points" else 100.0 * (m / b - 1.0)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One target's result over its seeds."""
+
+    target: Target
+    done: int                       # completed runs
+    total: int                      # runs needed
+    gaps: dict[int, float]          # seed -> gap, for the seeds with both runs done
+    ratios: dict[int, float]        # seed -> the method's whole-run ratio vs fp32
+    status: str                     # "met", "not met (...)" or "incomplete"
+
+
+def within(t: Target, g: float) -> bool:
+    """Whether a gap meets the target (a loss: <= threshold; an accuracy: >= -threshold; up to
+    rounding: 2.06 / 2.0 - 1 is a little more than 0.03)."""
+    return g <= t.threshold + 1e-9 if t.unit == "%" else g >= -t.threshold - 1e-9
+
+
+def evaluate(t: Target, out: Path) -> Outcome:
+    """Step 3: read the target's reports and judge it."""
+    done, gaps, ratios = 0, {}, {}
+    for seed in t.seeds:
+        base, method = (completed(r) for r in pair(t, seed, out))
+        done += (base is not None) + (method is not None)
+        if method is not None:
+            ratios[seed] = float(method["model_ratio_vs_fp32"])
+        if base is not None and method is not None:
+            gaps[seed] = gap(method, base, t.unit)
+    total = 2 * len(t.seeds)
+    if done < total:
+        return Outcome(t, done, total, gaps, ratios, "incomplete")
+    why = [f"seed {s} at {_gap(g, t.unit)}" for s, g in gaps.items() if not within(t, g)]
+    if t.min_ratio is not None and min(ratios.values()) < t.min_ratio:
+        why.append(f"bytes {min(ratios.values()):.2f}x < {t.min_ratio:g}x")
+    return Outcome(t, done, total, gaps, ratios, f"not met ({'; '.join(why)})" if why else "met")
+
+
+def _gap(g: float, unit: str) -> str:
+    return f"{g:+.2f}{SUFFIX[unit]}"
+
+
+def requirement(t: Target) -> str:
+    """The target in words."""
+    text = f"gap {'≤ +' if t.unit == '%' else '≥ -'}{t.threshold:g}{SUFFIX[t.unit]}"
+    return text + (f"; ≥ {t.min_ratio:g}x vs fp32" if t.min_ratio else "")
+
+
+COLUMNS = ["target", "task", "steps", "codec", "requirement (every seed)", "runs",
+           "gap per seed", "gap (mean ± std)", "method vs fp32", "result"]
+
+
+def row(o: Outcome) -> list[str]:
+    """One table row (``-`` where nothing is measured yet)."""
+    t, gaps = o.target, list(o.gaps.values())
+    per = ", ".join(f"s{s} {_gap(g, t.unit)}" for s, g in o.gaps.items()) or "-"
+    mean = "-"
+    if gaps:
+        sd = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
+        mean = f"{statistics.fmean(gaps):+.2f} ± {sd:.2f}{SUFFIX[t.unit]} (n={len(gaps)})"
+    r = list(o.ratios.values())
+    ratio = f"{statistics.fmean(r):.2f}x (min {min(r):.2f}x)" if r else "-"
+    return [t.name, t.task, str(length(t)), t.codec, requirement(t), f"{o.done}/{o.total}",
+            per, mean, ratio, o.status]
+
+
+def markdown(rows: Sequence[Sequence[str]]) -> str:
+    """The rows as a markdown table."""
+    lines = [COLUMNS, ["---"] * len(COLUMNS), *rows]
+    return "\n".join("| " + " | ".join(r) + " |" for r in lines)
+
+
+def commands(targets: Sequence[Target], out: Path) -> list[str]:
+    """The command lines of each target's first seed (baseline, then method), each once."""
+    lines = [r.shell() for t in targets for r in pair(t, t.seeds[0], out)]
+    return list(dict.fromkeys(lines))
+
+
+def ratio_note(outcomes: Sequence[Outcome]) -> str:
+    """Which lengths meet their byte-ratio requirement (the lowest of their method runs)."""
+    parts = []
+    for o in (o for o in outcomes if o.target.min_ratio is not None):
+        low, need = min(o.ratios.values(), default=None), o.target.min_ratio
+        parts.append(f"{o.target.name} " + ("not measured" if low is None else
+                     f"{low:.2f}x ({'meets' if low >= need else 'misses'} {need:g}x)"))
+    return ("Whole-run bytes vs fp32 of the method runs (dense phase included), lowest seed: "
+            + "; ".join(parts) + ".") if parts else ""
+
+
+def results_table(outcomes: Sequence[Outcome], argv: Sequence[str], out: Path) -> dict[str, Any]:
+    """Step 4: the ``targets`` table of accuracy.json."""
+    targets = [o.target for o in outcomes]
+    return {
+        "id": TABLE_ID, "title": "The accuracy targets of issue 26: the defaults against LANS",
+        "source": {"path": "benchmarks/targets.py", "section": "the targets of issue 26"},
+        "date": datetime.date.today().isoformat(),
+        "setting": "2 workers, 1 server; per seed, uncompressed LANS (`--task`, the task's "
+                   "lr warm-up) against `gp.OneBitLANS` with nothing but its defaults and the "
+                   "codec shown (`benchmarks/clan_script.py` in script mode, `--warmup-steps` "
+                   "set to the task's), weight decay 0.01 on both, lr from convergence.py's "
+                   "table. Gap paired by seed: 100 x (val_loss / LANS's - 1), or test accuracy "
+                   "minus LANS's in points for digits-cnn. A target is met when every seed is "
+                   "inside it; incomplete while a run is missing.",
+        "commands": [shlex.join(["python", "benchmarks/targets.py",
+                                 *(a for a in argv if a != "--collect-only")]),
+                     *commands(targets, out)],
+        "columns": COLUMNS, "rows": [row(o) for o in outcomes],
+        "notes": ratio_note(outcomes)}
+
+
+def write(table: Mapping[str, Any], results: Path, page: Path) -> None:
+    """Step 4: replace (or add first) the table in ``results/accuracy.json``; render ``page``."""
+    path = results / RESULTS_FILE
+    data = json.loads(path.read_text())
+    ids = [t["id"] for t in data["tables"]]
+    if TABLE_ID in ids:
+        data["tables"][ids.index(TABLE_ID)] = dict(table)
+    else:
+        data["tables"].insert(0, dict(table))
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    page.write_text(results_md.render(results_md.load_results(results)))
+
+
+def select(names: Sequence[str] | None, seeds: Sequence[int] | None) -> list[Target]:
+    """The targets named (all by default), with ``seeds`` if given."""
+    known = {t.name: t for t in TARGETS}
+    bad = [n for n in names or () if n not in known]
+    if bad:
+        raise ValueError(f"unknown target(s) {bad}; valid: {', '.join(known)}")
+    chosen = [known[n] for n in names] if names else list(TARGETS)
+    return [replace(t, seeds=tuple(seeds)) for t in chosen] if seeds else chosen
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--targets", nargs="+", metavar="NAME", help="default: all")
+    p.add_argument("--seeds", nargs="+", type=int, help="default: each target's (0 1 2)")
+    p.add_argument("--out", type=Path, default=Path("runs/targets"),
+                   help="root of the run directories (default runs/targets)")
+    p.add_argument("--dry-run", action="store_true", help="print the missing runs' commands")
+    p.add_argument("--collect-only", action="store_true", help="only tabulate existing runs")
+    p.add_argument("--write", action="store_true",
+                   help="write the table into benchmarks/results/accuracy.json and "
+                        "re-render docs/results.md")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None, results: Path = results_md.RESULTS,
+         page: Path = results_md.PAGE) -> int:
+    """The command line; ``--write`` goes to ``results``/accuracy.json and ``page``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    try:
+        targets = select(args.targets, args.seeds)
+    except ValueError as e:
+        print(f"targets.py: error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run or not args.collect_only:
+        execute(all_runs(targets, args.out), dry=args.dry_run)
+    if args.dry_run:
+        return 0
+    outcomes = [evaluate(t, args.out) for t in targets]
+    print(markdown([row(o) for o in outcomes]))
+    print("\nCommands (first seed):\n\n" + "\n".join(
+        f"    {c}" for c in commands(targets, args.out)))
+    if args.write:
+        write(results_table(outcomes, argv, args.out), results, page)
+        print(f"wrote table {TABLE_ID!r} into {results / RESULTS_FILE}; rendered {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
