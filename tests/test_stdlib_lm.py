@@ -23,14 +23,7 @@ from gradpress.tasks.stdlib_lm import (
 )
 from gradpress.tasks.stdlib_mlm import StdlibMLMTask
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Train on one thread: the suite shares 2 cores, where 2-thread kernels thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

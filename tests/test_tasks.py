@@ -23,13 +23,7 @@ SMALL_MLM = dict(seq_len=32, d_model=32, n_layers=1, n_heads=2, max_bytes=1 << 2
                  num_val_sequences=64)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Train on one thread: the suite shares 2 cores, where 2-thread kernels thrash."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

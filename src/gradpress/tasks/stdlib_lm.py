@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._lm import evaluate_tokens, normal_init
 from .base import (
     Batch,
     EvalResult,
@@ -155,7 +156,7 @@ class CausalTransformer(nn.Module):
         self.decoder = nn.TransformerEncoder(layer, n_layers, norm=nn.LayerNorm(d_model),
                                              enable_nested_tensor=False)
         self.out = nn.Linear(d_model, vocab_size)
-        self.apply(_gpt2_init)
+        self.apply(normal_init)
         residual_std = 0.02 / math.sqrt(2 * n_layers)
         for block in self.decoder.layers:
             nn.init.normal_(block.self_attn.out_proj.weight, std=residual_std)
@@ -172,17 +173,6 @@ class CausalTransformer(nn.Module):
                                                               dtype=h.dtype)
         h = self.decoder(h, mask=mask, is_causal=True)
         return self.out(h)
-
-
-def _gpt2_init(module: nn.Module) -> None:
-    """GPT-2 initialisation: weights normal(0, 0.02), biases zero, LayerNorm (1, 0)."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.MultiheadAttention):
-        nn.init.normal_(module.in_proj_weight, std=0.02)
-        nn.init.zeros_(module.in_proj_bias)
 
 
 class StdlibLMTask(Task):
@@ -262,25 +252,12 @@ class StdlibLMTask(Task):
         logits = model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> EvalResult:
         """Validation loss (primary), next-byte accuracy and perplexity on the fixed set."""
-        was_training = model.training
-        model.eval()
-        device = model_device(model)
-        total_loss, correct, count = 0.0, 0, 0
-        try:
-            for start in range(0, len(self.val_sequences), self.eval_batch_size):
-                seqs = self.val_sequences[start:start + self.eval_batch_size].to(device)
-                logits = model(seqs[:, :-1])
-                logits = logits.reshape(-1, logits.shape[-1])
-                targets = seqs[:, 1:].reshape(-1)
-                total_loss += float(F.cross_entropy(logits, targets, reduction="sum"))
-                correct += int((logits.argmax(dim=1) == targets).sum())
-                count += int(targets.numel())
-        finally:
-            model.train(was_training)
-        loss = total_loss / count
-        return EvalResult({"val_loss": loss, "val_accuracy": correct / count,
-                           "val_perplexity": math.exp(min(loss, 50.0))},
-                          primary="val_loss", higher_is_better=False, num_examples=count)
+        def next_bytes(start: int, stop: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+            seqs = self.val_sequences[start:stop].to(device)
+            logits = model(seqs[:, :-1])
+            return logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)
+
+        return evaluate_tokens(model, len(self.val_sequences), self.eval_batch_size, next_bytes)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._lm import evaluate_tokens, normal_init
 from .base import (
     Batch,
     EvalResult,
@@ -159,7 +160,7 @@ class MLMTransformer(nn.Module):
                                              enable_nested_tensor=False)
         self.head = nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(), nn.LayerNorm(d_model))
         self.out = nn.Linear(d_model, vocab_size)
-        self.apply(_bert_init)
+        self.apply(normal_init)
 
     def forward(self, ids: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
         if ids.dim() != 2 or ids.shape[1] > self.seq_len:
@@ -171,17 +172,6 @@ class MLMTransformer(nn.Module):
         if select is not None:
             h = h[select]
         return self.out(self.head(h))
-
-
-def _bert_init(module: nn.Module) -> None:
-    """BERT initialisation: weights normal(0, 0.02), biases zero, LayerNorm (1, 0)."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.MultiheadAttention):
-        nn.init.normal_(module.in_proj_weight, std=0.02)
-        nn.init.zeros_(module.in_proj_bias)
 
 
 class StdlibMLMTask(Task):
@@ -263,25 +253,13 @@ class StdlibMLMTask(Task):
         select = labels != IGNORE_INDEX
         return F.cross_entropy(model(inputs, select), labels[select])
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module) -> EvalResult:
         """Validation loss (primary), masked-token accuracy and perplexity on the fixed set."""
-        was_training = model.training
-        model.eval()
-        device = model_device(model)
-        total_loss, correct, count = 0.0, 0, 0
-        try:
-            for start in range(0, len(self.val_inputs), self.eval_batch_size):
-                inputs = self.val_inputs[start:start + self.eval_batch_size].to(device)
-                labels = self.val_labels[start:start + self.eval_batch_size].to(device)
-                select = labels != IGNORE_INDEX
-                logits, targets = model(inputs, select), labels[select]
-                total_loss += float(F.cross_entropy(logits, targets, reduction="sum"))
-                correct += int((logits.argmax(dim=1) == targets).sum())
-                count += int(targets.numel())
-        finally:
-            model.train(was_training)
-        loss = total_loss / count
-        return EvalResult({"val_loss": loss, "val_accuracy": correct / count,
-                           "val_perplexity": math.exp(min(loss, 50.0))},
-                          primary="val_loss", higher_is_better=False, num_examples=count)
+        def masked(start: int, stop: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs = self.val_inputs[start:stop].to(device)
+            labels = self.val_labels[start:stop].to(device)
+            select = labels != IGNORE_INDEX
+            return model(inputs, select), labels[select]
+
+        return evaluate_tokens(model, len(self.val_inputs), self.eval_batch_size, masked)
