@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -288,10 +289,26 @@ def test_onebit_lans_builds_the_momentum_method() -> None:
 
     opt = gp.OneBitLANS([("w", torch.nn.Parameter(torch.ones(3)))])
     assert isinstance(opt, OneBitLANS)
-    assert (opt.variance, opt.blend, opt.ef21, opt.refresh_every) == ("local", False, False,
-                                                                      None)
+    assert (opt.variance, opt.ef21, opt.refresh_every) == ("local", False, None)
     assert opt.param_groups[0]["dense_steps"] == 100 and not opt.compression_active
-    assert opt.communicate is not None
+    assert opt.communicate is not None and callable(opt.blend)
+
+
+@pytest.mark.parametrize("compression, limit, names, want", [
+    ("onebit", 1024, ["named"], False),          # "big" is compressed
+    ("none", 1024, ["named"], True),             # nothing is
+    ("onebit", 1 << 20, (), True),               # every tensor below min_compress_bytes
+    ("onebit", 1024, ["big"], True),             # the only large tensor named exact
+])
+def test_onebit_lans_blends_only_when_every_momentum_travels_exact(
+        compression: str, limit: int, names: Any, want: bool) -> None:
+    # step 3's blend (LANS's step proper) needs exact momenta; one compressed tensor turns it
+    # off for all, as measured (log 2.19)
+    named = [(n, torch.nn.Parameter(torch.ones(k))) for n, k in
+             (("small", 8), ("big", 4096), ("named", 8))]
+    opt = gp.OneBitLANS(named, compression=compression, min_compress_bytes=limit,
+                        uncompressed_params=names)
+    assert [opt.blend(i) for i in range(3)] == [want] * 3
 
 
 def test_clan_builds_the_papers_method() -> None:

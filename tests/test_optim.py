@@ -534,6 +534,30 @@ def test_onebit_lans_local_variance_lossless_matches_reference(blend):
     assert_close_list(a, [x.detach() for x in b], rtol=1e-10, atol=1e-12)
 
 
+def test_onebit_lans_blend_per_tensor_matches_each_reference():
+    # blend(i) chooses step 4 per tensor: those it picks follow the blended reference, the
+    # others the momentum-only one, bit for bit in float64 up to rounding
+    a, on, off = make_params(), make_params(), make_params()
+    picked = {0, 2}
+    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, variance="local",
+                      blend=lambda i: i in picked)
+    seq = make_grads(steps=6)
+    seq[2][1] = seq[3][1].clone()
+    run(ours, a, seq)
+    _local_variance_reference(on, seq, 2, True)
+    _local_variance_reference(off, seq, 2, False)
+    for i, x in enumerate(a):
+        want = (on if i in picked else off)[i].detach()
+        torch.testing.assert_close(x.detach(), want, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(on[0], off[0])            # the blend changes the step
+    assert ("shared_momentum" in ours.state[a[1]]) is False
+
+
+def test_onebit_lans_callable_blend_needs_local_variance():
+    with pytest.raises(ValueError, match="callable.*variance='local'.*'frozen'"):
+        OneBitLANS(make_params(), variance="frozen", blend=lambda i: True)
+
+
 def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_its_units():
     params = make_params()
     calls, communicate = halving_recorder()

@@ -99,6 +99,15 @@ def test_onebit_lans_plans_the_momentum() -> None:
     assert all(t.key == f"0.weight.clan_m.{i}" for i, t in enumerate(plan.tensors))
     assert _row(plan, "0.weight").codec == "onebit"
     assert _row(plan, "4.weight").reason == "momentum named in uncompressed_params"
+    # the dense phase: bf16 for the tensors not kept exact by name or size, fp32 for the rest
+    assert plan.to_dict()["dense_codec"] == "bf16" and "(bf16, " in plan.format()
+    none = gp.OneBitLANS(_model().named_parameters(), compression="none", dense_steps=5,
+                         min_compress_bytes=16 << 10, uncompressed_params=["4.weight"]).plan()
+    assert none.to_dict()["dense_codec"] == "exact"
+    half = sum(2 * t.numel for t in plan.tensors
+               if t.name != "4.weight" and 4 * t.numel >= 16 << 10)
+    assert 0 < none.dense_bytes_per_step - plan.dense_bytes_per_step <= half
+    assert none.dense_bytes_per_step - plan.dense_bytes_per_step >= half - 1024  # headers
 
 
 def test_plan_is_deterministic_and_json_ready() -> None:

@@ -77,3 +77,58 @@ def test_corrected_error_feedback_gets_the_lr_of_the_step_it_pushes(
         assert set(st["pushed"]) <= {st["applied"], None}, steps
     assert all(st["pushed"] == [st["applied"]] for st in steps[first:]), steps  # compressed
     assert json.loads((out / "report.json").read_text())["status"] == "completed"
+
+
+# 1-bit LANS in a session: the dense phase's codec and the blend follow the run's compression
+# (bf16 and no blend when a tensor is compressed; fp32 and LANS's blend when none is).
+BLEND_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    import gradpress as gp
+    from gradpress.train import Session
+
+    gp.init()
+    s = Session.from_env()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    opt = s.optimizer(model)
+    s.start()
+    pushed = []
+    for step in range(s.cfg.steps):
+        before = gp.stats()["bytes_pushed"]  # gradients are pushed from backward hooks
+        opt.zero_grad()
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + gp.rank()))
+        torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+        s.step(opt)
+        pushed.append(gp.stats()["bytes_pushed"] - before)
+        s.log_step(1.0)
+    plan = opt.plan().to_dict()
+    s.finish(model)
+    if gp.rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"blend": [opt.blend(i) for i in range(4)], "pushed": pushed,
+                       "dense_codec": plan["dense_codec"],
+                       "dense_bytes": plan["dense_bytes_per_step"]}, f)
+    gp.shutdown()
+''')
+
+
+@pytest.mark.parametrize("compression, blend, codec", [("none", True, "exact"),
+                                                        ("onebit", False, "bf16")])
+def test_onebit_lans_session_blends_and_warms_by_the_runs_compression(
+        tmp_path: Path, compression: str, blend: bool, codec: str) -> None:
+    script, rec = tmp_path / "blend.py", tmp_path / "rec.json"
+    script.write_text(BLEND_SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "gradpress.cli", "train", "--lr", "0.01",
+                        "--optimizer", "onebit-lans", "--dense-steps", "2", "--compression",
+                        compression, "--steps", "3", "--min-compress-bytes", "1024",
+                        "--no-progress", "--out", str(tmp_path / "run"), "--",
+                        sys.executable, str(script), str(rec)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    got = json.loads(rec.read_text())
+    assert got["blend"] == [blend] * 4 and got["dense_codec"] == codec
+    # the 64x64 weight (16 KiB) goes bf16 in the dense phase of a compressed run
+    fp32 = 4 * (64 * 64 + 64 + 64 * 2 + 2)
+    assert got["pushed"][:2] == [got["dense_bytes"]] * 2
+    assert (got["dense_bytes"] < fp32) == (codec == "bf16")

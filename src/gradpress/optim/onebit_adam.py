@@ -26,9 +26,14 @@ Communicate = Callable[[str, torch.Tensor], Any]
 def _split(b: Bucket, first: Callable[[int], bool]) -> tuple[Bucket, Bucket]:
     """Split a bucket into (tensors whose step ``t`` has ``first(t)``, the others), e.g.
     (dense-phase tensors, compression-stage tensors)."""
+    return _split_where(b, [first(t) for t in b.steps])
+
+
+def _split_where(b: Bucket, flags: list[bool]) -> tuple[Bucket, Bucket]:
+    """Split a bucket into (the tensors whose flag is true, the others), in order."""
     warm, comp = Bucket(), Bucket()
     for i, t in enumerate(b.steps):
-        dst = warm if first(t) else comp
+        dst = warm if flags[i] else comp
         dst.params.append(b.params[i])
         dst.grads.append(b.grads[i])
         dst.exp_avgs.append(b.exp_avgs[i])

@@ -10,7 +10,7 @@ worker's momentum, not its gradient. ``gp.OneBitLANS`` wraps it for a cluster; s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from ._common import (
     trust_ratios,
 )
 from .lans import LANS
-from .onebit_adam import Communicate, OneBitAdam, _split, received
+from .onebit_adam import Communicate, OneBitAdam, _split, _split_where, received
 
 __all__ = ["OneBitLANS", "SENDS", "VARIANCES"]
 
@@ -54,6 +54,14 @@ class OneBitLANS(LANS):
     3. Compression-stage update, LAMB's step as in 1-bit LAMB: ``r = a*sb + wd*x``
        (``sb = 1/(1-b1^t)``, the momentum's bias correction), ``q_r = ||x||/||r||`` (1 where a
        norm is 0, clamped to the trust bounds), ``x = x - lr*q_r*r``.
+    4. Blend (``blend``), LANS's step proper: the averaged gradient is recovered from two
+       consecutive averages, ``gh = (a - b1*a_prev)/(1-b1)``, and
+       ``x = x - lr*(b1*q_r*r + (1-b1)*q_c*c)`` with ``c = gh + wd*x`` and its own trust ratio
+       ``q_c``. With exact communication this is LANS on the average of the workers' ``m/d``;
+       through a compressed link the recovered gradient carries the compression error
+       divided by ``1-b1`` (10x). ``gp.OneBitLANS`` blends only when every momentum travels
+       exact: on stdlib-mlm blending the exact tensors of a one-bit run, or all of them, was
+       worse on every seed (benchmarks/results/convergence-log-2026.md, 2.18-2.19).
 
     With per-layer gradient normalisation a local gradient has the same norm as the averaged
     one, so the local ``v`` stays on the dense phase's scale; unlike a frozen ``v`` it follows
@@ -76,10 +84,8 @@ class OneBitLANS(LANS):
     ``dense_steps``; then also ``precondition=False`` to send ``m`` rather than ``m/d``,
     ``sends="gradient"`` to send the gradient and keep the momentum local, ``ef21=True`` to
     send differences to a shared estimate (EF21, Richtarik et al. 2021, arXiv:2106.05203; the
-    distributed layer must run without residuals), ``refresh_every=K`` for one dense step every
-    ``K`` compression-stage steps that refreshes ``v``, after 0/1 Adam, arXiv:2202.06009) and
-    ``blend=True`` (LANS's instant-gradient part after the dense phase, the gradient recovered
-    from two consecutive averaged momenta, ``gh = (a - b1*a_prev)/(1-b1)``).
+    distributed layer must run without residuals) and ``refresh_every=K`` for one dense step
+    every ``K`` compression-stage steps that refreshes ``v``, after 0/1 Adam, arXiv:2202.06009).
 
     Recipe (the same as :class:`OneBitAdam`): while :attr:`compression_active` is False the caller
     averages gradients uncompressed into ``p.grad``; once True it leaves the local gradient there
@@ -94,8 +100,12 @@ class OneBitLANS(LANS):
         dense_steps: number of uncompressed opening steps, an int >= 1.
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
-        variance, blend, precondition, sends, ef21, refresh_every: the experiment switches
-            above (``"local"``, False, True, ``"momentum"``, False, None by default).
+        blend: step 4 for every tensor (True), none (False, the default), or those whose
+            flat index ``i`` has ``blend(i)`` true (a callable; ``variance="local"`` only).
+            ``gp.OneBitLANS`` and ``gradpress train`` blend every tensor when every momentum
+            travels exact, none otherwise.
+        variance, precondition, sends, ef21, refresh_every: the experiment switches above
+            (``"local"``, True, ``"momentum"``, False, None by default).
 
     Raises:
         ValueError: a hyperparameter is out of range (the message names it).
@@ -109,11 +119,16 @@ class OneBitLANS(LANS):
                  min_trust: float | None = None, max_trust: float | None = None,
                  fused: bool | None = None, dense_steps: int = 100,
                  communicate: Communicate | None = None, variance: str = "local",
-                 blend: bool = False, precondition: bool = True, sends: str = "momentum",
-                 ef21: bool = False, refresh_every: int | None = None) -> None:
+                 blend: bool | Callable[[int], bool] = False, precondition: bool = True,
+                 sends: str = "momentum", ef21: bool = False,
+                 refresh_every: int | None = None) -> None:
         if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 1:
             raise ValueError(f"dense_steps must be an int >= 1, got {dense_steps!r}")
-        for name, flag in (("blend", blend), ("precondition", precondition), ("ef21", ef21)):
+        if callable(blend) and variance != "local":
+            raise ValueError(f"a per-tensor blend (a callable) needs variance='local', "
+                             f"got variance={variance!r}")
+        for name, flag in (("blend", blend if not callable(blend) else True),
+                           ("precondition", precondition), ("ef21", ef21)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         if refresh_every is not None and (isinstance(refresh_every, bool) or not isinstance(
@@ -163,9 +178,9 @@ class OneBitLANS(LANS):
                 self._update(warm, group)
             if refresh.params:
                 self._refresh(refresh, group)
-            if comp.params:
+            for part, blend in self._by_blend(comp):
                 # Step 2: launch every communication of the step before waiting for any.
-                stages.append((comp, group) + self._send(comp, group))
+                stages.append((part, group) + self._send(part, group, blend))
         for b, group, pending, prev, (d, s), est in stages:
             got = received(b, pending)
             if est is not None:
@@ -188,18 +203,29 @@ class OneBitLANS(LANS):
             self._momentum_update(b, group, prev, mom, d, s)
         return loss
 
-    def _send(self, b: Bucket, group: dict[str, Any]) -> tuple[list[Any], Any, Any, Any]:
+    def _by_blend(self, b: Bucket) -> list[tuple[Bucket, bool]]:
+        """The compression-stage tensors of ``b`` split into (those that blend, True) and
+        (the others, False), empty parts left out; ``blend`` decides per flat index."""
+        if not b.params:
+            return []
+        if not callable(self.blend):
+            return [(b, self.blend)]
+        yes, no = _split_where(b, [bool(self.blend(i)) for i in b.indices])
+        return [(part, flag) for part, flag in ((yes, True), (no, False)) if part.params]
+
+    def _send(self, b: Bucket, group: dict[str, Any], blend: bool
+              ) -> tuple[list[Any], Any, Any, Any]:
         """Step 2 up to the communication: returns (pending, b1*m_prev or None, the
         ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None)."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         if self.variance == "local":
-            return self._send_local(b, group, g)
+            return self._send_local(b, group, g, blend)
         ds = self._denominators(b, group)
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
         est = self._estimates(b, d) if self.ef21 else None
         prev = None
-        if self.blend:  # b1 * the momentum the last update stepped along
+        if blend:  # b1 * the momentum the last update stepped along
             last = b.exp_avgs
             if est is not None and self.sends == "momentum":
                 last = torch._foreach_mul(est, d) if d is not None else est
@@ -214,13 +240,13 @@ class OneBitLANS(LANS):
             sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
         return self._launch(b, sent), prev, ds, est
 
-    def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor]
-                    ) -> tuple[list[Any], Any, Any, None]:
+    def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
+                    blend: bool) -> tuple[list[Any], Any, Any, None]:
         """Step 2 (local ``v``) up to the communication: ``v`` and ``m`` from the local
         gradient, ``m/d`` sent; returns (pending, b1*a_prev or None, ``(d, s)``, None)."""
         beta1, beta2 = group["betas"]
         prev = None
-        if self.blend:  # a_prev; at the first compressed step the dense phase's (shared) m/d
+        if blend:  # a_prev; at the first compressed step the dense phase's (shared) m/d
             if any("shared_momentum" not in self.state[p] for p in b.params):
                 d_last = self._denominators(b, group)[0]
                 for p, m, d in zip(b.params, b.exp_avgs, d_last):
@@ -237,7 +263,7 @@ class OneBitLANS(LANS):
         """Step 3 (local ``v``): the update from the shared average ``a = got``."""
         for p, m, a, di in zip(b.params, b.exp_avgs, got, d):
             torch.mul(a, di, out=m)                 # this worker's momentum, in its units
-            if self.blend:
+            if prev is not None:
                 self.state[p]["shared_momentum"] = a.clone()
         self._momentum_update(b, group, prev, got, None, s)
 
@@ -254,7 +280,7 @@ class OneBitLANS(LANS):
         ``v``."""
         beta1, beta2 = group["betas"]
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend else None
+        prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend is True else None
         for p, v, gi, t in zip(b.params, b.exp_avg_sqs, g, b.steps):
             st = self.state[p]
             # the averaged gradient stands in for the k steps since v's last update

@@ -21,7 +21,7 @@ from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
 from .agreement import auto_min_compress_bytes
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
-from .plan import MomentumTraffic, set_momentum_traffic
+from .plan import MomentumTraffic, dense_codec, set_momentum_traffic, travels_exact
 
 __all__ = ["CLAN", "OneBitLANS"]
 
@@ -126,13 +126,18 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
 
     Algorithm, per step:
 
-    1. For the first ``dense_steps`` steps the gradients are averaged uncompressed and LANS
-       (with its per-layer gradient normalisation) steps on them.
+    1. For the first ``dense_steps`` steps the gradients are averaged uncompressed (bf16,
+       half of fp32's bytes, for the tensors that will be compressed; fp32 when
+       ``compression="none"``) and LANS (with its per-layer gradient normalisation) steps on
+       them.
     2. Then each worker keeps its own first and second moments ``m``, ``v`` from its own
        normalised gradient and sends ``m/(sqrt(v)+eps)``, compressed with ``compression`` and
        error feedback; the servers average and compress again (with their own residuals).
     3. Every worker receives the same averaged ``m/(sqrt(v)+eps)`` and takes LAMB's layer-wise
-       step along it (the trust ratio ``||x||/||r||``), so the replicas stay identical.
+       step along it (the trust ratio ``||x||/||r||``), so the replicas stay identical. When
+       every momentum travels exact (``compression="none"``; ``opt.plan()`` says which do),
+       the step is LANS's: it also takes the averaged gradient, recovered from two
+       consecutive momenta.
 
     Compressing the momentum instead of the gradient keeps a transformer's compressed run close
     to uncompressed LANS where CLAN falls behind (``docs/guide.md``). The same as
@@ -199,11 +204,20 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     exact: set[str] = set()
     decided = [dense is not None]               # "auto": not until the dense phase has ended
 
-    def communicate(key: str, m: torch.Tensor) -> Any:
+    def decide() -> None:
         if not decided[0]:  # the first compressed step: take the measured decision
             chosen = wrapper[0].decide_exact().exact
             exact.update(str(i) for i, (n, _) in enumerate(named) if n in chosen)
             decided[0] = True
+
+    def blend(i: int) -> bool:  # step 3: LANS's step proper when every momentum is exact
+        decide()
+        return all(travels_exact(p.numel(), spec=spec, exact=str(j) in exact,
+                                 min_compress_bytes=min_compress_bytes)
+                   for j, (_, p) in enumerate(named))
+
+    def communicate(key: str, m: torch.Tensor) -> Any:
+        decide()
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
         step_lr = groups[0]["lr"] if needs_lr else None
@@ -212,17 +226,21 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
                                compression=spec, lr=step_lr, min_compress_bytes=limit)
 
     opt = _OneBitLANSCore(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                          dense_steps=dense_steps, communicate=communicate)
+                          dense_steps=dense_steps, communicate=communicate, blend=blend)
     groups.extend(opt.param_groups)
     exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)
+    warm = dense_codec(spec)
     set_momentum_traffic(opt, MomentumTraffic(prefix=f"{prefix}.clan_m.", compression=spec,
                                               min_compress_bytes=min_compress_bytes,
-                                              exact_keys=frozenset(exact)))
-    # The wrapper averages dense gradients during the dense phase and stops once the
-    # optimizer's compression_active turns true (it communicates momenta from then on).
+                                              exact_keys=frozenset(exact),
+                                              dense_compression=warm))
+    # The wrapper averages dense gradients during the dense phase (bf16 unless nothing is
+    # compressed) and stops once the optimizer's compression_active turns true (it
+    # communicates momenta from then on).
     wrapper.append(DistributedOptimizer(
-        opt, named_parameters=named, compression="none",
-        uncompressed_params="auto" if dense is None else ()))
+        opt, named_parameters=named, compression=warm or "none", ef="none",
+        min_compress_bytes=min_compress_bytes,
+        uncompressed_params="auto" if dense is None else sorted(dense)))
     return wrapper[0]
 
 

@@ -29,8 +29,8 @@ from ..compress.spec import CodecSpec
 if TYPE_CHECKING:
     from ..ps.config import PSConfig
 
-__all__ = ["Plan", "TensorPlan", "Decision", "MomentumTraffic", "decide", "tensor_plan",
-           "codec_text"]
+__all__ = ["Plan", "TensorPlan", "Decision", "MomentumTraffic", "decide", "travels_exact",
+           "dense_codec", "tensor_plan", "codec_text"]
 
 #: The ``codec`` of a tensor that travels uncompressed (fp32 and a header, no error feedback).
 EXACT = "exact"
@@ -98,6 +98,11 @@ class Plan:
     partition_bytes: int
     #: Tensors below this many bytes travel exact.
     min_compress_bytes: int
+    #: The dense phase's codec of the tensors not kept exact by name or size (None: fp32;
+    #: :func:`dense_codec`).
+    dense_codec: CodecSpec | None = None
+    #: The names of the rows that travel fp32 in the dense phase whatever ``dense_codec``.
+    dense_exact: frozenset[str] = frozenset()
 
     @property
     def bytes_per_step(self) -> int:
@@ -111,9 +116,14 @@ class Plan:
 
     @property
     def dense_bytes_per_step(self) -> int:
-        """Bytes pushed per dense step: every tensor exact (fp32 and chunk headers)."""
-        return sum(_payload(None, c) for t in self.tensors
-                   for c in _chunk_sizes(t.numel, self.partition_bytes))
+        """Bytes pushed per dense step: each tensor in :attr:`dense_codec` (fp32 below
+        ``min_compress_bytes`` and in :attr:`dense_exact`), chunk headers included."""
+        def codec(t: TensorPlan) -> CodecSpec | None:
+            small = 4 * t.numel < self.min_compress_bytes
+            return None if small or t.name in self.dense_exact else self.dense_codec
+
+        return sum(_payload(codec(t), c)
+                   for t in self.tensors for c in _chunk_sizes(t.numel, self.partition_bytes))
 
     @property
     def ratio(self) -> float | None:
@@ -132,6 +142,7 @@ class Plan:
                 "min_compress_bytes": self.min_compress_bytes,
                 "bytes_per_step": self.bytes_per_step, "fp32_bytes": self.fp32_bytes,
                 "ratio_vs_fp32": self.ratio, "dense_bytes_per_step": self.dense_bytes_per_step,
+                "dense_codec": EXACT if self.dense_codec is None else codec_text(self.dense_codec),
                 "compressed_tensors": self.compressed_tensors,
                 "tensors": [asdict(t) for t in self.tensors]}
 
@@ -153,6 +164,20 @@ class MomentumTraffic:
     min_compress_bytes: int | None
     #: The keys (flat positions, as text) that always travel exact.
     exact_keys: frozenset[str]
+    #: The gradients' codec in the dense phase (:func:`dense_codec`); None: fp32.
+    dense_compression: CodecSpec | None = None
+
+
+#: The dense phase's codec of the 1-bit optimizers when the run compresses: bf16 keeps
+#: float32's range (no overflow, unlike fp16) in half the bytes, as mixed-precision data
+#: parallelism reduces gradients.
+DENSE_CODEC = CodecSpec("bf16", {}, {"ef": "none"})
+
+
+def dense_codec(spec: CodecSpec) -> CodecSpec | None:
+    """The codec of a 1-bit optimizer's dense phase under the run's ``spec``: None (fp32,
+    exact) with ``compression="none"``, else :data:`DENSE_CODEC`."""
+    return None if spec.name == "none" else DENSE_CODEC
 
 
 def codec_text(spec: CodecSpec) -> str:
@@ -185,6 +210,15 @@ def decide(name: str, numel: int, *, spec: CodecSpec, min_compress_bytes: int,
                         reason=f"below min_compress_bytes ({size_text(min_compress_bytes)})")
     return Decision(codec=CodecSpec(spec.name, dict(spec.params)),
                     reason=f"compressed with {codec_text(spec)}")
+
+
+def travels_exact(numel: int, *, spec: CodecSpec, min_compress_bytes: int | None,
+                  exact: bool) -> bool:
+    """Whether a tensor of ``numel`` elements arrives exact (fp32) under :func:`decide`;
+    ``min_compress_bytes`` None: the runtime's (:func:`runtime_config`)."""
+    limit = runtime_config().min_compress_bytes if min_compress_bytes is None \
+        else min_compress_bytes
+    return decide("", numel, spec=spec, min_compress_bytes=limit, exact=exact).codec is None
 
 
 def tensor_plan(name: str, key: str, numel: int, decision: Decision, partition_bytes: int,
@@ -253,6 +287,7 @@ def optimizer_plan(opt: Any) -> Plan:
 
     cfg = runtime_config()
     traffic: MomentumTraffic | None = getattr(opt, MOMENTUM_ATTR, None)
+    dense = None
     if traffic is None:
         spec, limit, what = opt._gp_spec, opt._gp_min_bytes, "gradient"
         dense_steps = opt._gp_dense_steps
@@ -260,6 +295,7 @@ def optimizer_plan(opt: Any) -> Plan:
                    for p, n in opt._gp_names.items() if p.requires_grad]
     else:
         spec, limit, what = traffic.compression, traffic.min_compress_bytes, "momentum"
+        dense = traffic.dense_compression
         dense_steps = int(opt.param_groups[0]["dense_steps"])
         flat = [p for g in opt.param_groups for p in g["params"]]
         entries = [(opt._gp_names[p], f"{traffic.prefix}{i}", p.numel(),
@@ -274,7 +310,8 @@ def optimizer_plan(opt: Any) -> Plan:
         rows += (tensor_plan(NONFINITE_KEY, NONFINITE_KEY, 1, flag, cfg.partition_bytes),)
     return Plan(tensors=rows, communicates=what, dense_steps=dense_steps,
                 ef=resolve_codec(spec, None, cfg)[1]["ef"], partition_bytes=cfg.partition_bytes,
-                min_compress_bytes=limit)
+                min_compress_bytes=limit, dense_codec=dense,
+                dense_exact=frozenset(n for n, _, _, named in entries if named))
 
 
 def _measured_rule(meter: Any) -> Callable[..., Decision]:
@@ -331,7 +368,8 @@ def _format(plan: Plan, label: str) -> str:
 def _title(plan: Plan, label: str) -> str:
     if not plan.compressed_tensors:
         return f"{label}: nothing is compressed; the {plan.communicates} travels as fp32"
-    when = (f"after {plan.dense_steps} dense steps ({_human(plan.dense_bytes_per_step)} a step)"
-            if plan.dense_steps else "from the first step")
+    how = "" if plan.dense_codec is None else f"{codec_text(plan.dense_codec)}, "
+    when = (f"after {plan.dense_steps} dense steps ({how}{_human(plan.dense_bytes_per_step)} "
+            f"a step)" if plan.dense_steps else "from the first step")
     return (f"{label}: the {plan.communicates} travels compressed {when}, error "
             f"feedback {plan.ef or 'none'}")

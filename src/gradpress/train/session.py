@@ -29,7 +29,8 @@ Optimizer mapping (``--optimizer``):
    ``DistributedOptimizer(momentum="nesterov")``; the worker-side momentum applies to every
    tensor, also to those below ``min_compress_bytes`` that travel uncompressed.
 3. ``onebit-adam``: :class:`gradpress.optim.OneBitAdam`; gradients travel uncompressed for
-   ``dense_steps`` steps (``DistributedOptimizer(compression="none")``), then the optimizer
+   ``dense_steps`` steps (``DistributedOptimizer(compression="bf16")``; fp32 when
+   ``--compression none``), then the optimizer
    communicates its momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops
    pushing gradients once ``compression_active`` is true).
 4. ``onebit-lans``: :class:`gradpress.optim.OneBitLANS`, driven like ``onebit-adam``: the
@@ -150,7 +151,10 @@ class Session:
         opt = self._build(groups, wrap, options)
         if cfg.optimizer in MOMENTUM_OPTIMIZERS:
             opt.communicate = self._communicate_momentum
-            wrap = {"compression": "none", "uncompressed_params": "auto" if self._auto else ()}
+            warm = self._dense_codec()  # bf16 unless nothing is compressed (as gp.OneBitLANS)
+            wrap = {"compression": warm or "none", "ef": "none",
+                    "min_compress_bytes": cfg.min_compress_bytes,
+                    "uncompressed_params": "auto" if self._auto else sorted(self._exact)}
             # the momentum keys are positions in the optimizer's flat parameter order
             names = {p: n for n, p in self._named}
             flat = [p for g in opt.param_groups for p in g["params"]]
@@ -190,6 +194,8 @@ class Session:
         kw["betas"] = hp["betas"]
         if cfg.optimizer == "clan":  # what gradpress.optim.clan builds
             return LANS(groups, normalize_grad=False, **kw)
+        if cfg.optimizer == "onebit-lans" and options.get("variance", "local") == "local":
+            kw.setdefault("blend", self._momentum_exact)  # as gp.OneBitLANS (step 3 there)
         if cfg.optimizer in MOMENTUM_OPTIMIZERS:
             cls = OneBitLANS if cfg.optimizer == "onebit-lans" else OneBitAdam
             return cls(groups, dense_steps=hp["dense_steps"], **kw)
@@ -206,7 +212,27 @@ class Session:
         set_momentum_traffic(opt, MomentumTraffic(
             prefix=f"{self.cfg.name}.m.", compression=spec,
             min_compress_bytes=self.cfg.min_compress_bytes,
-            exact_keys=frozenset(self._exact_keys)))
+            exact_keys=frozenset(self._exact_keys), dense_compression=self._dense_codec()))
+
+    def _dense_codec(self) -> Any:
+        """The 1-bit optimizers' dense-phase codec (:func:`gradpress.torch.plan.dense_codec`)."""
+        from ..compress.spec import parse_spec
+        from ..torch.plan import dense_codec
+
+        return dense_codec(parse_spec(self.cfg.compression))
+
+    def _momentum_exact(self, i: int) -> bool:
+        """Whether every momentum arrives exact (fp32): then
+        :class:`~gradpress.optim.OneBitLANS` blends in the recovered gradient (step 4)."""
+        from ..compress.spec import parse_spec
+        from ..torch.plan import travels_exact
+
+        self._measured_exact()
+        spec = parse_spec(self.cfg.compression)
+        flat = [p for g in self._wrapper.param_groups for p in g["params"]]
+        return all(travels_exact(p.numel(), spec=spec, exact=str(j) in self._exact_keys,
+                                 min_compress_bytes=self.cfg.min_compress_bytes)
+                   for j, p in enumerate(flat))
 
     def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
         """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
