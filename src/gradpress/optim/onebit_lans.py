@@ -60,8 +60,7 @@ class OneBitLANS(LANS):
        ``q_c``. With exact communication this is LANS on the average of the workers' ``m/d``;
        through a compressed link the recovered gradient carries the compression error
        divided by ``1-b1`` (10x). ``gp.OneBitLANS`` blends only when every momentum travels
-       exact: on stdlib-mlm blending the exact tensors of a one-bit run, or all of them, was
-       worse on every seed (benchmarks/results/convergence-log-2026.md, 2.18-2.19).
+       exact (why: ``docs/optimizers.md``).
 
     With per-layer gradient normalisation a local gradient has the same norm as the averaged
     one, so the local ``v`` stays on the dense phase's scale; unlike a frozen ``v`` it follows
