@@ -42,6 +42,7 @@ import torch
 
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
+from .fusion import DENSE_SUFFIX, make_fuser, tensor_fusion
 from .plan import NONFINITE_KEY, Plan, optimizer_plan
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
@@ -161,6 +162,7 @@ class _Distributed:
         self._gp_lr = {p: g for g in self.param_groups for p in g["params"]}
         self._gp_counts: dict[torch.Tensor, int] = {}
         self._gp_handles: dict[torch.Tensor, Any] = {}
+        self._gp_fusion: Any = None  # the Fuser of the small exact gradients, at first push
         self._gp_nonfinite = False
         self._gp_skipped = False
         self._gp_skip_sync = False
@@ -197,9 +199,14 @@ class _Distributed:
         exact = p in self._gp_dense  # chosen by name: travels as a small tensor does, exact
         if self._gp_meter is not None:  # dense phase of "auto": this worker's own gradient
             self._gp_meter.add_local(self._gp_names[p], grad)
-        if self._gp_steps < self._gp_dense_steps and not exact:  # dense phase: own keys
+        dense, fuser = self._gp_steps < self._gp_dense_steps, self._gp_fuser()
+        if fuser.fuses(self._gp_names[p]):  # small and exact: pushed with its fused key
+            self._gp_handles[p] = fuser.add(self._gp_names[p], grad,
+                                            DENSE_SUFFIX if dense else "")
+            return
+        if dense and not exact:  # dense phase: own keys
             self._gp_handles[p] = api.push_pull_async(
-                grad, self._gp_names[p] + "@dense", average=True, compression="none",
+                grad, self._gp_names[p] + DENSE_SUFFIX, average=True, compression="none",
                 ef="none", out=_in_place(grad))
             return
         self._gp_handles[p] = api.push_pull_async(
@@ -207,6 +214,19 @@ class _Distributed:
             lr=self._gp_lr[p]["lr"],
             min_compress_bytes=ALWAYS_EXACT if exact else self._gp_min_bytes,
             out=_in_place(grad))
+
+    def _gp_fuser(self) -> Any:
+        """The :class:`~gradpress.ps.fusion.Fuser` of the gradients small enough to share
+        fused keys (:mod:`gradpress.torch.fusion`), built at the first push, once the
+        runtime's options are known."""
+        from .. import api
+
+        if self._gp_fusion is None:
+            entries = [(n, p) for p, n in self._gp_names.items() if p.requires_grad]
+            keys = tensor_fusion(entries, min_compress_bytes=self._gp_min_bytes,
+                                 spec=self._gp_spec, cfg=api.config())
+            self._gp_fusion = make_fuser(keys, api.config())
+        return self._gp_fusion
 
     # -- public ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -310,6 +330,8 @@ class _Distributed:
         state = super(self.__class__, self).state_dict()
         if api.is_initialized():
             names = set(self._gp_names.values()) | {_FLAG_NAME}
+            if self._gp_fusion is not None:
+                names |= self._gp_fusion.names(("", DENSE_SUFFIX))
             state["gradpress"] = api.worker_state_dict(names)
         if self._gp_meter is not None:
             state["gradpress_agreement"] = self._gp_meter.state_dict()
