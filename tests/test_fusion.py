@@ -151,6 +151,8 @@ def test_fuser_flushes_an_incomplete_bucket_at_wait_and_starts_new_rounds() -> N
     assert push.pushed[-1][1].tolist() == [0, 0, 7, 7, 7, 0]
     with pytest.raises(ValueError, match="'c' has 2 elements, but its fused key"):
         fuser.add("c", torch.ones(2))
+    with pytest.raises(ValueError, match="'d' is in none of the 1 fused keys"):
+        fuser.add("d", torch.ones(1))
 
 
 def test_fuser_reports_a_failed_push_to_every_member() -> None:

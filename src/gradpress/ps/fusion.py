@@ -191,6 +191,9 @@ class Fuser:
         A member that arrives again, or under another suffix, starts the bucket's next round
         (an incomplete previous round is pushed first).
         """
+        if name not in self._where:
+            raise ValueError(f"tensor {name!r} is in none of the {len(self.keys)} fused keys; "
+                             f"expected a name for which fuses() is true")
         key, j = self._where[name]
         off, n = key.offsets[j], key.numels[j]
         if tensor.numel() != n:

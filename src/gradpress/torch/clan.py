@@ -172,7 +172,8 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         min_compress_bytes: tensors smaller than this (fp32 bytes) travel uncompressed and
             exact. Default ``"auto"``: the largest tensors holding 95% of the model's bytes are
             compressed, and every tensor of 1 MiB or more
-            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
+            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`). The small momenta
+            (and dense-phase gradients) share fused keys (:mod:`gradpress.torch.fusion`).
         uncompressed_params: which tensors' momenta travel exact (fp32). Default ``"auto"``:
             measured during the dense phase, identically on every worker; a tensor whose
             gradients agree little across workers (mostly noise, like a learned position

@@ -15,7 +15,7 @@ run time and in ``opt.plan()``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,8 +27,8 @@ from ..ps.fusion import FusedKey, Fuser, fused_keys
 if TYPE_CHECKING:
     from ..ps.config import PSConfig
 
-__all__ = ["has_worker_momentum", "tensor_fusion", "make_fuser", "momentum_fuser",
-           "fused_key_bytes", "DENSE_SUFFIX"]
+__all__ = ["has_worker_momentum", "tensor_fusion", "make_fuser", "gradient_fuser",
+           "momentum_fuser", "fused_key_bytes", "DENSE_SUFFIX"]
 
 #: The suffix of the keys of ``DistributedOptimizer``'s dense phase (fused keys too).
 DENSE_SUFFIX = "@dense"
@@ -80,6 +80,18 @@ def fused_key_bytes(key: FusedKey, partition_bytes: int) -> tuple[int, int]:
 
     chunks = chunk_layout(key.numel, partition_bytes)
     return sum(build("none", c.numel).payload_bytes for c in chunks), len(chunks)
+
+
+def gradient_fuser(names: Mapping[torch.Tensor, str], min_compress_bytes: int | None,
+                   spec: CodecSpec | None) -> Fuser:
+    """The fuser of ``DistributedOptimizer``'s gradient pushes; ``names`` maps each parameter
+    to its name in the optimizer's parameter order (built after ``init``)."""
+    from .. import api
+
+    entries = [(n, p) for p, n in names.items() if p.requires_grad]
+    cfg = api.config()
+    keys = tensor_fusion(entries, min_compress_bytes=min_compress_bytes, spec=spec, cfg=cfg)
+    return make_fuser(keys, cfg)
 
 
 def momentum_fuser(param_groups: Sequence[dict], *, prefix: str, spec: CodecSpec | None,

@@ -5,7 +5,9 @@ Steps of one training iteration (Horovod/BytePS pattern; BytePS-Compress, Zhong 
 
 1. ``loss.backward()``: a post-accumulate-grad hook on every parameter counts backward passes;
    on the ``backward_passes_per_step``-th pass it starts ``push_pull_async`` of that gradient,
-   so communication of late layers overlaps backward of early layers.
+   so communication of late layers overlaps backward of early layers. Gradients below
+   ``min_compress_bytes`` are copied into their fused key instead, pushed when its last
+   member arrived (:mod:`gradpress.torch.fusion`).
 2. ``step()`` calls :meth:`synchronize`: parameters whose hook did not fire (no gradient this
    step) push zeros, so no server waits forever; every handle is waited for and the averaged,
    decompressed gradient replaces ``p.grad``.
@@ -42,7 +44,7 @@ import torch
 
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
-from .fusion import DENSE_SUFFIX, make_fuser, tensor_fusion
+from .fusion import DENSE_SUFFIX, gradient_fuser
 from .plan import NONFINITE_KEY, Plan, optimizer_plan
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
@@ -79,7 +81,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         momentum: ``"nesterov"`` applies momentum before compression (dist-EF-SGDM); turn the
             optimizer's own momentum off then.
         mu: that momentum's coefficient.
-        min_compress_bytes: gradients smaller than this travel uncompressed (exact).
+        min_compress_bytes: gradients smaller than this travel uncompressed (exact), packed
+            into fused keys (``GRADPRESS_FUSION_BYTES``, :mod:`gradpress.torch.fusion`).
             ``"auto"``: the largest tensors holding 95% of the bytes are compressed
             (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
         backward_passes_per_step: gradients accumulate locally over this many backward passes
@@ -216,16 +219,9 @@ class _Distributed:
             out=_in_place(grad))
 
     def _gp_fuser(self) -> Any:
-        """The :class:`~gradpress.ps.fusion.Fuser` of the gradients small enough to share
-        fused keys (:mod:`gradpress.torch.fusion`), built at the first push, once the
-        runtime's options are known."""
-        from .. import api
-
+        """The fuser of the small gradients (built at the first push, after ``init``)."""
         if self._gp_fusion is None:
-            entries = [(n, p) for p, n in self._gp_names.items() if p.requires_grad]
-            keys = tensor_fusion(entries, min_compress_bytes=self._gp_min_bytes,
-                                 spec=self._gp_spec, cfg=api.config())
-            self._gp_fusion = make_fuser(keys, api.config())
+            self._gp_fusion = gradient_fuser(self._gp_names, self._gp_min_bytes, self._gp_spec)
         return self._gp_fusion
 
     # -- public ---------------------------------------------------------------------------------
