@@ -225,14 +225,17 @@ WORKER = textwrap.dedent('''
         else:
             opt = gp.OneBitLANS(named, lr=1e-2, compression="onebit", dense_steps=1,
                                 min_compress_bytes=2048, uncompressed_params=())
-        chunks, pushed = [], []
+        chunks, pushed, skipped = [], [], []
         for step in range(4):
             g = torch.Generator().manual_seed(100 * step + gp.rank())
             s0 = gp.stats()
             opt.zero_grad()
             x, y = torch.randn(16, 32, generator=g), torch.randint(0, 3, (16,), generator=g)
+            if kind == "dist" and step == 2 and gp.rank() == 1:
+                x[0, 0] = float("inf")  # non-finite gradients: every worker skips the step
             torch.nn.functional.cross_entropy(m(x), y).backward()
             opt.step()
+            skipped.append(getattr(opt, "step_skipped", False))
             s1 = gp.stats()
             chunks.append(s1["chunks"] - s0["chunks"])
             pushed.append(s1["bytes_pushed"] - s0["bytes_pushed"])
@@ -240,7 +243,7 @@ WORKER = textwrap.dedent('''
         return {"params": [p.detach().reshape(-1).tolist() for p in m.parameters()],
                 "chunks": chunks, "pushed": pushed, "plan_bytes": plan.bytes_per_step,
                 "plan_dense": plan.dense_bytes_per_step, "plan_chunks": plan.chunks_per_step,
-                "fused_keys": plan.fused_keys}
+                "fused_keys": plan.fused_keys, "skipped": skipped}
 
     gp.init()
     res = {kind: run(kind) for kind in ("dist", "lans")}
@@ -249,10 +252,11 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-def _launch(tmp_path: Path, tag: str, env: dict[str, str]) -> list[dict]:
+def _launch(tmp_path: Path, tag: str, env: dict[str, str],
+            args: tuple[str, ...] = ("--servers", "1")) -> list[dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
+    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", *args,
            "--", sys.executable, str(script), str(tmp_path), tag]
     base = {k: v for k, v in os.environ.items() if k != "GRADPRESS_FUSION_BYTES"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**base, **env})
@@ -267,6 +271,7 @@ def test_fused_pushes_are_bit_identical_and_fewer(tmp_path: Path) -> None:
         a, b = on[0][kind], off[0][kind]
         assert a["params"] == on[1][kind]["params"] == b["params"] == off[1][kind]["params"]
         assert a["fused_keys"] == 1 and b["fused_keys"] == 0
+        assert a["skipped"] == b["skipped"] == [False, False, kind == "dist", False]
         for run in (a, b):  # the plan's bytes and chunks are what was pushed (step 0: dense)
             assert run["pushed"][1:] == [run["plan_bytes"]] * 3, (kind, run)
             assert run["pushed"][0] == run["plan_dense"], (kind, run)
@@ -274,3 +279,13 @@ def test_fused_pushes_are_bit_identical_and_fewer(tmp_path: Path) -> None:
         # 20 small tensors: one fused key instead of 20 keys a step
         assert b["chunks"][1] - a["chunks"][1] == 19, (a["chunks"], b["chunks"])
         assert a["chunks"][0] < b["chunks"][0]  # the dense step fuses them too
+
+
+def test_fused_pushes_through_hierarchical_aggregation(tmp_path: Path) -> None:
+    # the node's leader pushes the fused keys of the node's sum; the other worker pushes none
+    lead, other = _launch(tmp_path, "hier", {}, ("--colocate", "--hierarchical"))
+    for kind in ("dist", "lans"):
+        assert lead[kind]["params"] == other[kind]["params"]
+        assert lead[kind]["fused_keys"] == 1
+        assert lead[kind]["chunks"][1:] == [lead[kind]["plan_chunks"]] * 3
+        assert lead[kind]["pushed"][1:] == [lead[kind]["plan_bytes"]] * 3
