@@ -235,7 +235,9 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     first = 12 * 40 + 40  # layer 0 is exact after one step, layer 2 was compressed
     assert torch.equal(w0["exact_first"][:first], w0["none_1step"][:first])
     assert not torch.equal(w0["exact_first"][first:], w0["none_1step"][first:])
-    assert int(w0["acc_pushes"]) == 2 * 4  # 2 steps x 4 parameter tensors
+    # 2 steps x 1 push: the 4 parameter tensors are small (below the default 1 MiB) and share
+    # one fused key
+    assert int(w0["acc_pushes"]) == 2 * 1
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]
     assert float(w0["amp_scale"]) < 2.0 ** 8  # the scaler saw the overflow and backed off

@@ -52,13 +52,21 @@ def test_plan_before_init_rows_and_reasons() -> None:
     named = _row(plan, "2.weight")
     assert (named.codec, named.reason) == ("exact", "named in uncompressed_params")
     small = _row(plan, "0.bias")
-    assert small.codec == "exact" and small.reason == "below min_compress_bytes (16 KiB)"
-    assert small.bytes_per_step == build("none", 80).payload_bytes
+    assert small.codec == "exact"
+    assert small.reason == "below min_compress_bytes (16 KiB); in fused key 1 (4 tensors)"
+    # the small tensors share one fused key, its header counted on its first member (the
+    # last parameter: fused keys follow the reverse parameter order, as backward does)
+    assert small.bytes_per_step == 4 * 80 and small.chunks == 0
+    first = _row(plan, "4.bias")
+    assert first.fused == small.fused and first.chunks == 1
+    assert first.bytes_per_step == build("none", 3 + 80 + 60 + 180).payload_bytes - 4 * 320
+    assert plan.fused_keys == 1 and plan.chunks_per_step == 3
     assert plan.compressed_tensors == 1  # 2.weight is large enough, but named
     assert plan.bytes_per_step == sum(t.bytes_per_step for t in plan.tensors)
     assert plan.ratio == plan.fp32_bytes / plan.bytes_per_step
-    assert plan.dense_bytes_per_step == sum(build("none", t.numel).payload_bytes
-                                            for t in plan.tensors)
+    assert plan.dense_bytes_per_step == (build("none", 323).payload_bytes
+                                         + build("none", 8000).payload_bytes
+                                         + build("none", 4800).payload_bytes)
 
 
 def test_plan_chunks_and_defaults_follow_the_runtime_config(monkeypatch) -> None:
@@ -82,7 +90,9 @@ def test_nothing_compressed_and_the_nonfinite_flag() -> None:
                                   compression="none", nan_policy="skip")
     plan = opt.plan()
     assert plan.compressed_tensors == 0
-    assert {t.reason for t in plan.tensors[:-1]} == {"compression is none"}
+    # every tensor is below the default 1 MiB: all six share one fused key
+    assert {t.reason for t in plan.tensors[:-1]} == {
+        "compression is none; in fused key 1 (6 tensors)"}
     flag = plan.tensors[-1]
     assert flag.name == "gradpress.nonfinite" and flag.numel == 1 and flag.codec == "exact"
     assert "nothing is compressed" in plan.format().splitlines()[0]
@@ -98,7 +108,8 @@ def test_onebit_lans_plans_the_momentum() -> None:
     assert all(t.reason.startswith("momentum ") for t in plan.tensors)
     assert all(t.key == f"0.weight.clan_m.{i}" for i, t in enumerate(plan.tensors))
     assert _row(plan, "0.weight").codec == "onebit"
-    assert _row(plan, "4.weight").reason == "momentum named in uncompressed_params"
+    assert _row(plan, "4.weight").reason == ("momentum named in uncompressed_params; in fused "
+                                             "key 1 (4 tensors)")  # small: fused, too
     # the dense phase: bf16 for the tensors not kept exact by name or size, fp32 for the rest
     assert plan.to_dict()["dense_codec"] == "bf16" and "(bf16, " in plan.format()
     none = gp.OneBitLANS(_model().named_parameters(), compression="none", dense_steps=5,
@@ -120,7 +131,7 @@ def test_plan_is_deterministic_and_json_ready() -> None:
                                "codec": "onebit", "chunks": 1,
                                "bytes_per_step": a.tensors[0].bytes_per_step,
                                "fp32_bytes": 32000, "reason": "compressed with onebit; "
-                               "agreement not measured yet (dense phase)"}
+                               "agreement not measured yet (dense phase)", "fused": None}
 
 
 def test_format_is_a_fixed_width_table() -> None:
@@ -223,7 +234,8 @@ def test_train_prints_the_plan_once_and_reports_it(tmp_path: Path) -> None:
     assert plan["compressed_tensors"] == rep["codec"]["compressed_tensors"] > 0
     assert plan["bytes_per_step"] == rep["bytes_per_step"]["push_last"]
     reasons = {t["reason"] for t in plan["tensors"]}
-    assert reasons == {"compressed with onebit", "below min_compress_bytes (16 KiB)"}
+    assert reasons == {"compressed with onebit",
+                       "below min_compress_bytes (16 KiB); in fused key 1 (14 tensors)"}
     assert plan["bytes_per_step"] == rep["codec"]["model_wire_bytes"]
 
 

@@ -110,6 +110,11 @@ class PSConfig:
     partition_bytes: int = 4 << 20
     #: Tensors smaller than this travel uncompressed (fp32, exact, no error feedback).
     min_compress_bytes: int = 1 << 20
+    #: Most bytes of a fused key: the optimizers pack the tensors below ``min_compress_bytes``
+    #: into shared keys of up to this size (:mod:`gradpress.ps.fusion`). None: one chunk
+    #: (``partition_bytes``); 0: no fusion, every tensor its own key. Must be the same in
+    #: every worker.
+    fusion_bytes: int | None = None
     #: Default codec spec of ``push_pull`` when the call gives none (e.g. ``"onebit"``).
     compression: str = "none"
     #: Default error feedback of ``push_pull``: an :class:`~gradpress.compress.EFSpec` or its
@@ -152,6 +157,7 @@ class PSConfig:
     def __post_init__(self) -> None:
         _check_int(self, "partition_bytes", 4)
         _check_int(self, "min_compress_bytes", 0)
+        _check_int(self, "fusion_bytes", 0, optional=True)
         _check_float(self, "timeout", 0.001)
         _check_float(self, "idle_timeout", 0.0)
         _check_float(self, "watchdog_interval", 0.0)
@@ -177,6 +183,12 @@ class PSConfig:
         if self.resume is not None and not isinstance(self.resume, str):
             raise ValueError(f"PSConfig.resume must be None or a directory path, got "
                              f"{self.resume!r}")
+
+    @property
+    def fusion_cap(self) -> int:
+        """The cap of a fused key in bytes: ``fusion_bytes``, or ``partition_bytes`` when
+        None; 0 when fusion is off."""
+        return self.partition_bytes if self.fusion_bytes is None else self.fusion_bytes
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PSConfig:

@@ -20,6 +20,7 @@ from ..optim import OneBitLANS as _OneBitLANSCore
 from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
 from .agreement import auto_min_compress_bytes
+from .fusion import momentum_fuser
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
 from .plan import MomentumTraffic, dense_codec, set_momentum_traffic, travels_exact
 
@@ -171,7 +172,8 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         min_compress_bytes: tensors smaller than this (fp32 bytes) travel uncompressed and
             exact. Default ``"auto"``: the largest tensors holding 95% of the model's bytes are
             compressed, and every tensor of 1 MiB or more
-            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
+            (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`). The small momenta
+            (and dense-phase gradients) share fused keys (:mod:`gradpress.torch.fusion`).
         uncompressed_params: which tensors' momenta travel exact (fp32). Default ``"auto"``:
             measured during the dense phase, identically on every worker; a tensor whose
             gradients agree little across workers (mostly noise, like a learned position
@@ -203,6 +205,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
     # keys are positions in the optimizer's flat parameter order (the groups hold named's order)
     exact: set[str] = set()
     decided = [dense is not None]               # "auto": not until the dense phase has ended
+    fusion: list[Any] = []                      # the momenta's Fuser, at the first push
 
     def decide() -> None:
         if not decided[0]:  # the first compressed step: take the measured decision
@@ -218,6 +221,11 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
 
     def communicate(key: str, m: torch.Tensor) -> Any:
         decide()
+        if not fusion:  # small momenta share fused keys (gradpress.torch.fusion)
+            fusion.append(momentum_fuser(groups, prefix=f"{prefix}.clan_m.", spec=spec,
+                                         min_compress_bytes=min_compress_bytes))
+        if fusion[0].fuses(f"{prefix}.clan_m.{key}"):
+            return fusion[0].add(f"{prefix}.clan_m.{key}", m)
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
         step_lr = groups[0]["lr"] if needs_lr else None

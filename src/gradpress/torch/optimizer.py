@@ -5,7 +5,9 @@ Steps of one training iteration (Horovod/BytePS pattern; BytePS-Compress, Zhong 
 
 1. ``loss.backward()``: a post-accumulate-grad hook on every parameter counts backward passes;
    on the ``backward_passes_per_step``-th pass it starts ``push_pull_async`` of that gradient,
-   so communication of late layers overlaps backward of early layers.
+   so communication of late layers overlaps backward of early layers. Gradients below
+   ``min_compress_bytes`` are copied into their fused key instead, pushed when its last
+   member arrived (:mod:`gradpress.torch.fusion`).
 2. ``step()`` calls :meth:`synchronize`: parameters whose hook did not fire (no gradient this
    step) push zeros, so no server waits forever; every handle is waited for and the averaged,
    decompressed gradient replaces ``p.grad``.
@@ -42,6 +44,7 @@ import torch
 
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
+from .fusion import DENSE_SUFFIX, gradient_fuser
 from .plan import NONFINITE_KEY, Plan, optimizer_plan
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
@@ -78,7 +81,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         momentum: ``"nesterov"`` applies momentum before compression (dist-EF-SGDM); turn the
             optimizer's own momentum off then.
         mu: that momentum's coefficient.
-        min_compress_bytes: gradients smaller than this travel uncompressed (exact).
+        min_compress_bytes: gradients smaller than this travel uncompressed (exact), packed
+            into fused keys (``GRADPRESS_FUSION_BYTES``, :mod:`gradpress.torch.fusion`).
             ``"auto"``: the largest tensors holding 95% of the bytes are compressed
             (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
         backward_passes_per_step: gradients accumulate locally over this many backward passes
@@ -161,6 +165,7 @@ class _Distributed:
         self._gp_lr = {p: g for g in self.param_groups for p in g["params"]}
         self._gp_counts: dict[torch.Tensor, int] = {}
         self._gp_handles: dict[torch.Tensor, Any] = {}
+        self._gp_fusion: Any = None  # the Fuser of the small exact gradients, at first push
         self._gp_nonfinite = False
         self._gp_skipped = False
         self._gp_skip_sync = False
@@ -197,9 +202,14 @@ class _Distributed:
         exact = p in self._gp_dense  # chosen by name: travels as a small tensor does, exact
         if self._gp_meter is not None:  # dense phase of "auto": this worker's own gradient
             self._gp_meter.add_local(self._gp_names[p], grad)
-        if self._gp_steps < self._gp_dense_steps and not exact:  # dense phase: own keys
+        dense, fuser = self._gp_steps < self._gp_dense_steps, self._gp_fuser()
+        if fuser.fuses(self._gp_names[p]):  # small and exact: pushed with its fused key
+            self._gp_handles[p] = fuser.add(self._gp_names[p], grad,
+                                            DENSE_SUFFIX if dense else "")
+            return
+        if dense and not exact:  # dense phase: own keys
             self._gp_handles[p] = api.push_pull_async(
-                grad, self._gp_names[p] + "@dense", average=True, compression="none",
+                grad, self._gp_names[p] + DENSE_SUFFIX, average=True, compression="none",
                 ef="none", out=_in_place(grad))
             return
         self._gp_handles[p] = api.push_pull_async(
@@ -207,6 +217,12 @@ class _Distributed:
             lr=self._gp_lr[p]["lr"],
             min_compress_bytes=ALWAYS_EXACT if exact else self._gp_min_bytes,
             out=_in_place(grad))
+
+    def _gp_fuser(self) -> Any:
+        """The fuser of the small gradients (built at the first push, after ``init``)."""
+        if self._gp_fusion is None:
+            self._gp_fusion = gradient_fuser(self._gp_names, self._gp_min_bytes, self._gp_spec)
+        return self._gp_fusion
 
     # -- public ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -310,6 +326,8 @@ class _Distributed:
         state = super(self.__class__, self).state_dict()
         if api.is_initialized():
             names = set(self._gp_names.values()) | {_FLAG_NAME}
+            if self._gp_fusion is not None:
+                names |= self._gp_fusion.names(("", DENSE_SUFFIX))
             state["gradpress"] = api.worker_state_dict(names)
         if self._gp_meter is not None:
             state["gradpress_agreement"] = self._gp_meter.state_dict()

@@ -14,20 +14,24 @@ draws), so it works before ``gradpress.init()`` and is the same on every worker:
    ``payload_bytes`` (header included): the bytes this worker pushes for it per step, which
    ``gradpress.stats()["bytes_pushed"]`` counts. Which server a chunk goes to does not change
    its size, so the cluster's size plays no part.
+3. Tensors small enough to travel exact share fused keys (:mod:`gradpress.torch.fusion`,
+   computed by the same function as at run time): a member's row shows its fp32 bytes, and
+   the first member of each fused key also its headers and chunks (:func:`fuse_rows`).
 
 See ``docs/guide.md`` ("See what is compressed") for how to read the table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..compress.spec import CodecSpec
 
 if TYPE_CHECKING:
     from ..ps.config import PSConfig
+    from ..ps.fusion import FusedKey
 
 __all__ = ["Plan", "TensorPlan", "Decision", "MomentumTraffic", "decide", "travels_exact",
            "dense_codec", "tensor_plan", "codec_text"]
@@ -70,6 +74,10 @@ class TensorPlan:
     fp32_bytes: int
     #: Why it travels so.
     reason: str
+    #: The fused key it shares with other small tensors (:mod:`gradpress.torch.fusion`), or
+    #: None. A fused key's headers and chunks count on its first member's row; the other
+    #: members' rows show their fp32 bytes and no chunks.
+    fused: str | None = None
 
     @property
     def compressed(self) -> bool:
@@ -122,8 +130,19 @@ class Plan:
             small = 4 * t.numel < self.min_compress_bytes
             return None if small or t.name in self.dense_exact else self.dense_codec
 
-        return sum(_payload(codec(t), c)
-                   for t in self.tensors for c in _chunk_sizes(t.numel, self.partition_bytes))
+        fused = sum(t.bytes_per_step for t in self.tensors if t.fused)  # exact in both phases
+        return fused + sum(_payload(codec(t), c) for t in self.tensors if not t.fused
+                           for c in _chunk_sizes(t.numel, self.partition_bytes))
+
+    @property
+    def chunks_per_step(self) -> int:
+        """Chunks (keys) pushed per step: ``gradpress.stats()["chunks"]`` grows by this."""
+        return sum(t.chunks for t in self.tensors)
+
+    @property
+    def fused_keys(self) -> int:
+        """How many fused keys carry the small tensors."""
+        return len({t.fused for t in self.tensors if t.fused})
 
     @property
     def ratio(self) -> float | None:
@@ -144,6 +163,7 @@ class Plan:
                 "ratio_vs_fp32": self.ratio, "dense_bytes_per_step": self.dense_bytes_per_step,
                 "dense_codec": EXACT if self.dense_codec is None else codec_text(self.dense_codec),
                 "compressed_tensors": self.compressed_tensors,
+                "chunks_per_step": self.chunks_per_step, "fused_keys": self.fused_keys,
                 "tensors": [asdict(t) for t in self.tensors]}
 
     def format(self, label: str = "gradpress plan") -> str:
@@ -284,6 +304,7 @@ def optimizer_plan(opt: Any) -> Plan:
     """The plan of a :func:`~gradpress.torch.optimizer.DistributedOptimizer` (its
     ``plan()``): its gradients, or the momenta its 1-bit optimizer pushes itself."""
     from ..ps.calls import resolve_codec
+    from .fusion import tensor_fusion
 
     cfg = runtime_config()
     traffic: MomentumTraffic | None = getattr(opt, MOMENTUM_ATTR, None)
@@ -291,20 +312,21 @@ def optimizer_plan(opt: Any) -> Plan:
     if traffic is None:
         spec, limit, what = opt._gp_spec, opt._gp_min_bytes, "gradient"
         dense_steps = opt._gp_dense_steps
-        entries = [(n, n, p.numel(), p in opt._gp_dense)
-                   for p, n in opt._gp_names.items() if p.requires_grad]
+        pushed = [(n, p, p in opt._gp_dense) for p, n in opt._gp_names.items() if p.requires_grad]
     else:
         spec, limit, what = traffic.compression, traffic.min_compress_bytes, "momentum"
         dense = traffic.dense_compression
         dense_steps = int(opt.param_groups[0]["dense_steps"])
         flat = [p for g in opt.param_groups for p in g["params"]]
-        entries = [(opt._gp_names[p], f"{traffic.prefix}{i}", p.numel(),
-                    str(i) in traffic.exact_keys)
-                   for i, p in enumerate(flat) if p.requires_grad]
+        pushed = [(f"{traffic.prefix}{i}", p, str(i) in traffic.exact_keys)
+                  for i, p in enumerate(flat) if p.requires_grad]
+    entries = [(opt._gp_names[p], key, p.numel(), exact) for key, p, exact in pushed]
     limit = cfg.min_compress_bytes if limit is None else limit
     rows = plan_rows(entries, spec=spec, min_compress_bytes=limit,
                      partition_bytes=cfg.partition_bytes, what=what,
                      decide_fn=_measured_rule(getattr(opt, "_gp_meter", None)))
+    rows = fuse_rows(rows, tensor_fusion([(k, p) for k, p, _ in pushed], min_compress_bytes=limit,
+                                         spec=spec, cfg=cfg), cfg.partition_bytes)
     if opt._gp_nan == "skip":  # one flag a step: the workers agree to skip non-finite steps
         flag = Decision(codec=None, reason="nan_policy='skip': agrees to skip non-finite steps")
         rows += (tensor_plan(NONFINITE_KEY, NONFINITE_KEY, 1, flag, cfg.partition_bytes),)
@@ -312,6 +334,28 @@ def optimizer_plan(opt: Any) -> Plan:
                 ef=resolve_codec(spec, None, cfg)[1]["ef"], partition_bytes=cfg.partition_bytes,
                 min_compress_bytes=limit, dense_codec=dense,
                 dense_exact=frozenset(n for n, _, _, named in entries if named))
+
+
+def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
+              partition_bytes: int) -> tuple[TensorPlan, ...]:
+    """``rows`` with the members of the fused ``keys`` (matched by row key) marked: each
+    member's bytes are its fp32 values, and its key's first member also carries the key's
+    headers and chunks, so the rows still add up to what is pushed."""
+    from .fusion import fused_key_bytes
+
+    where = {m: (i, k, j) for i, k in enumerate(keys) for j, m in enumerate(k.members)}
+    out = []
+    for t in rows:
+        if t.key not in where:
+            out.append(t)
+            continue
+        i, k, j = where[t.key]
+        nbytes, chunks = fused_key_bytes(k, partition_bytes) if j == 0 else (4 * k.numel, 0)
+        out.append(replace(t, fused=k.name, chunks=chunks,
+                           bytes_per_step=nbytes - 4 * (k.numel - t.numel),
+                           reason=f"{t.reason}; in fused key {i + 1} ({len(k.members)} "
+                                  f"tensors)"))
+    return tuple(out)
 
 
 def _measured_rule(meter: Any) -> Callable[..., Decision]:
@@ -355,6 +399,8 @@ def _format(plan: Plan, label: str) -> str:
     rows = [(t.name, f"{t.numel:,}", t.codec, _human(t.bytes_per_step), _human(t.fp32_bytes),
              t.reason) for t in plan.tensors]
     ratio = "" if plan.ratio is None else f", {plan.ratio:.1f}x vs fp32"
+    fused = sum(t.fused is not None for t in plan.tensors)
+    ratio += f", {fused} fused into {plan.fused_keys} key(s)" if fused else ""
     rows.append(("total", f"{sum(t.numel for t in plan.tensors):,}", "",
                  _human(plan.bytes_per_step), _human(plan.fp32_bytes),
                  f"{plan.compressed_tensors} of {len(plan.tensors)} compressed{ratio}"))

@@ -156,24 +156,34 @@ def _finite(obj: Any) -> Any:
 
 
 def codec_ratios(named: Sequence[tuple[str, Any]], spec: str, min_compress_bytes: int,
-                 partition_bytes: int, exact: Collection[str] = ()) -> dict[str, Any]:
+                 partition_bytes: int, exact: Collection[str] = (),
+                 fusion_bytes: int = 0) -> dict[str, Any]:
     """Bytes on the wire per step from the codecs' ``payload_bytes`` (one direction).
 
     Tensors of at least ``min_compress_bytes`` are cut into chunks of ``partition_bytes`` and
     each chunk costs the codec's payload; smaller ones, those named in ``exact`` (and all with
     codec ``none``) cost a ``none`` payload (fp32 + header) and do not count as compressed
-    tensors.
+    tensors. With ``fusion_bytes`` (the cap of :mod:`gradpress.torch.fusion`; ``named`` in the
+    optimizer's order) the tensors below ``min_compress_bytes`` share fused keys as at run
+    time, one ``none`` payload per fused chunk.
     """
     from ..compress import build
     from ..compress.spec import parse_spec
+    from ..ps.fusion import fused_keys
     from ..ps.partition import chunk_layout
+    from ..torch.fusion import fused_key_bytes
 
-    comp_dense = comp_wire = model_dense = model_wire = ncomp = 0
+    small_ones = [(n, p) for n, p in reversed(named) if 4 * p.numel() < min_compress_bytes]
+    keys = fused_keys([(n, p.numel()) for n, p in small_ones], fusion_bytes,
+                      breaks=[str(p.device) for _, p in small_ones])
+    fused = {m for k in keys for m in k.members}
+    comp_dense = comp_wire = model_dense = ncomp = 0
+    model_wire = sum(fused_key_bytes(k, partition_bytes)[0] for k in keys)
     dense_only = parse_spec(spec).name == "none"
     for name, p in named:
         numel = p.numel()
         small = dense_only or 4 * numel < min_compress_bytes or name in exact
-        chunks = chunk_layout(numel, partition_bytes)
+        chunks = [] if name in fused else chunk_layout(numel, partition_bytes)
         wire = sum(build("none" if small else spec, c.numel).payload_bytes for c in chunks)
         model_dense, model_wire = model_dense + 4 * numel, model_wire + wire
         if not small:

@@ -96,6 +96,7 @@ class Session:
         self._auto = False                          # --uncompressed-params auto
         self._auto_taken = False
         self._wrapper: Any = None
+        self._fusion: Any = None  # the Fuser of the small momenta (1-bit optimizers)
         self._flat_names: list[str] = []
         self._created = self._t0 = self._last_t = time.perf_counter()
         self._last_stats = self._stats()
@@ -203,12 +204,16 @@ class Session:
         return cls(groups, **kw)
 
     def _describe_momentum(self, opt: torch.optim.Optimizer) -> None:
-        """Tell the optimizer's plan how :meth:`_communicate_momentum` pushes the momenta."""
+        """Tell the optimizer's plan how :meth:`_communicate_momentum` pushes the momenta, and
+        build the fuser of the small ones (:mod:`gradpress.torch.fusion`)."""
         from ..compress.spec import CodecSpec, parse_spec
+        from ..torch.fusion import momentum_fuser
         from ..torch.plan import MomentumTraffic, set_momentum_traffic
 
         cs, ef = parse_spec(self.cfg.compression), self.cfg.effective_ef
         spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, **({"ef": ef} if ef else {})})
+        self._fusion = momentum_fuser(opt.param_groups, prefix=f"{self.cfg.name}.m.", spec=spec,
+                                      min_compress_bytes=self.cfg.min_compress_bytes)
         set_momentum_traffic(opt, MomentumTraffic(
             prefix=f"{self.cfg.name}.m.", compression=spec,
             min_compress_bytes=self.cfg.min_compress_bytes,
@@ -241,6 +246,8 @@ class Session:
 
         ef = self.cfg.effective_ef
         self._measured_exact()
+        if self._fusion.fuses(f"{self.cfg.name}.m.{key}"):  # small: shares a fused key
+            return self._fusion.add(f"{self.cfg.name}.m.{key}", m)
         exact = key in self._exact_keys  # named tensors travel as small tensors do
         return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
                                   compression=self.cfg.compression, ef=ef,
@@ -398,6 +405,7 @@ class Session:
         if self.writer is None:
             return
         from .. import api
+        from ..torch.fusion import has_worker_momentum
 
         self._write_plan()  # a run that ended in its dense phase: the plan it would have used
         rec = {"kind": "summary", "run": self.cfg.name, "status": "completed",
@@ -407,10 +415,12 @@ class Session:
                "stages_s": {f"{k}_s": v for k, v in self.stage_s.items()},
                "replicas_identical": same, **extra}
         self._measured_exact()
-        if self._named:
-            rec["codec"] = codec_ratios(self._named, self.cfg.compression,
+        if self._named:  # in the optimizer's order, small tensors fused as they were pushed
+            pushed = [(n, p) for p, n in self._wrapper._gp_names.items() if p.requires_grad]
+            cap = 0 if has_worker_momentum(self._wrapper._gp_spec) else api.config().fusion_cap
+            rec["codec"] = codec_ratios(pushed, self.cfg.compression,
                                         self.cfg.min_compress_bytes, api.config().partition_bytes,
-                                        exact=self._exact)
+                                        exact=self._exact, fusion_bytes=cap)
             rec["params"] = sum(p.numel() for _, p in self._named)
         self.writer.write(rec)
 
