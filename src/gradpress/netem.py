@@ -40,9 +40,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = ["NAME_PREFIX", "NetemError", "Namespace", "EmulatedCluster", "check_environment",
-           "parse_rate", "new_run_id", "create_namespace", "destroy_namespace", "create_cluster",
-           "destroy_cluster", "rate_limited_namespace", "emulated_cluster", "list_namespaces",
-           "cleanup_stale"]
+           "parse_rate", "rate_bits_per_second", "new_run_id", "create_namespace",
+           "destroy_namespace", "create_cluster", "destroy_cluster", "rate_limited_namespace",
+           "emulated_cluster", "list_namespaces", "cleanup_stale"]
 
 #: Every namespace this module creates starts with this prefix (then the creator's pid).
 NAME_PREFIX = "gpnet"
@@ -101,6 +101,18 @@ def parse_rate(rate: str | int | float) -> str:
         raise ValueError(f"rate {rate!r} is not a positive tc rate; expected e.g. '1gbit', "
                          f"'100mbit', '500kbit'")
     return text
+
+
+#: tc's rate units in bits per second (decimal; ``bps`` is bytes per second, as in tc).
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12}
+
+
+def rate_bits_per_second(rate: str | int | float) -> float:
+    """Bits per second of a rate accepted by :func:`parse_rate` (``"100mbit"`` -> ``1e8``)."""
+    text = parse_rate(rate)
+    number = re.match(r"[\d.]+", text).group()  # type: ignore[union-attr] - parse_rate checked
+    return float(number) * _RATE_UNITS[text[len(number):]]
 
 
 def _check_tbf_args(burst: str, latency: str) -> None:
