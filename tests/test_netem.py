@@ -1,4 +1,5 @@
-"""benchmarks/netem.py: validation, namespaces and emulated clusters, cleanup on failure.
+"""gradpress.netem and benchmarks/netem.py (its command line, re-exporting it): validation,
+namespaces and emulated clusters, cleanup on failure.
 
 Tests that create namespaces need root and ``ip netns``; they are skipped elsewhere. No timed
 assertions: the rate limit is checked by reading the qdisc back, not by measuring throughput.
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from gradpress import netem as lib
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -28,6 +31,11 @@ def _load(name: str):
 
 
 netem = _load("netem")
+
+
+def test_benchmarks_module_re_exports_the_package():
+    assert netem.rate_limited_namespace is lib.rate_limited_namespace
+    assert netem.NetemError is lib.NetemError and netem._LIVE is lib._LIVE
 
 
 def _usable() -> bool:
@@ -87,14 +95,14 @@ def test_cluster_argument_errors():
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(netem.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(lib.os, "geteuid", lambda: 1000)
     with pytest.raises(netem.NetemError, match="needs root"):
         netem.check_environment()
 
 
 def test_missing_ip_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(netem.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(lib.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(lib.shutil, "which", lambda tool: None)
     with pytest.raises(netem.NetemError, match="`ip`"):
         netem.check_environment()
 

@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from .netem import NetemError
+
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 
@@ -162,8 +164,9 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="digits CNN uncompressed, CLAN onebit, CLAN topk 0.1%% side by side",
         description="Train digits-cnn uncompressed, with CLAN onebit and with CLAN topk 0.1% "
-                    "fp16 in one local cluster; print a table and write plots "
-                    "(docs/reference/cli.md).")
+                    "fp16 in one local cluster; print a table with each run's time to the "
+                    "uncompressed run's final accuracy and write plots. With --bandwidth RATE "
+                    "(as root) the cluster runs behind a link of RATE (docs/reference/cli.md).")
     return add_demo_arguments(p)
 
 
@@ -200,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._run(args))
-    except ValueError as e:
+    except (ValueError, NetemError) as e:  # bad input, or a network namespace not possible
         parser.exit(2, f"gradpress {args.subcommand}: error: {e}\n")
     return 2  # unreachable: parser.exit raises SystemExit
 

@@ -22,15 +22,25 @@ from typing import Any
 
 from .config import TrainConfig
 from .options import add_arguments, from_namespace
-from .report import format_run, format_table, plot_runs, read_metrics, run_report, write_json
+from .report import (
+    format_run,
+    format_table,
+    human_bytes,
+    plot_runs,
+    read_metrics,
+    run_report,
+    write_json,
+)
 from .session import CONFIG_ENV
+from .slowlink import check_bandwidth, launch_limited, link_budget
+from .tta import plot_eval_vs_time, time_to_accuracy, tta_columns, tta_summary
 
 __all__ = ["add_train_arguments", "run_train", "add_demo_arguments", "run_demo",
-           "prepare_out_dir", "demo_configs", "DEMO_RUNS"]
+           "prepare_out_dir", "demo_configs", "DEMO_RUNS", "DEMO_BANDWIDTH"]
 
 _PLAN = "config.json"
 _OUTPUTS = ("metrics.jsonl", "report.json", "loss_vs_step.png", "loss_vs_time.png",
-            "bytes_per_step.png", "eval_vs_step.png")
+            "bytes_per_step.png", "eval_vs_step.png", "eval_vs_time.png")
 _INTERRUPTED = (130, 143)
 
 #: The demo's three runs on digits-cnn (name, compression, CLAN learning rate); the rates were
@@ -41,6 +51,9 @@ DEMO_RUNS = (
     ("clan-topk0.1%", "topk:k=0.001,values=fp16", 8e-3),
 )
 DEMO_EPOCHS = 16
+#: ``--bandwidth`` without a rate: the uncompressed run's traffic then takes far longer than its
+#: compute (docs/train.md).
+DEMO_BANDWIDTH = "100mbit"
 
 
 def prepare_out_dir(path: str | Path) -> Path:
@@ -86,8 +99,11 @@ def _check_param_names(cfg: TrainConfig) -> None:
                 cfg.uncompressed_params, "--uncompressed-params")
 
 
-def _launch(runs: Sequence[TrainConfig], plan: Path, script: tuple[str, ...] = ()) -> int:
-    """Start one local cluster whose workers run ``runs`` (or ``script``); its exit status."""
+def _launch(runs: Sequence[TrainConfig], plan: Path, script: tuple[str, ...] = (),
+            bandwidth: str | None = None) -> int:
+    """Start one local cluster whose workers run ``runs`` (or ``script``); its exit status.
+    With ``bandwidth`` (a tc rate) the cluster runs in a namespace whose loopback has that
+    rate (:mod:`gradpress.train.slowlink`)."""
     from ..launch import LaunchConfig, launch
     from .report import write_json as _write
 
@@ -99,6 +115,8 @@ def _launch(runs: Sequence[TrainConfig], plan: Path, script: tuple[str, ...] = (
                     "GRADPRESS_EF": first.effective_ef or "",
                     "GRADPRESS_MIN_COMPRESS_BYTES": str(first.min_compress_bytes)})
     command = script or (sys.executable, "-m", "gradpress.train.worker", "--plan", str(plan))
+    if bandwidth is not None:
+        return launch_limited(bandwidth, command, first.workers, first.servers, env)
     cfg = LaunchConfig(command=tuple(command), workers_per_node=first.workers,
                        servers_per_node=first.servers, env=env)
     return launch(cfg)
@@ -170,6 +188,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     a("--steps", type=int, help="stop each run after this many steps (for a quick look)")
     a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
     a("--no-progress", action="store_true", help="no progress bars")
+    a("--bandwidth", metavar="RATE", nargs="?", const=DEMO_BANDWIDTH,
+      help="run the whole demo in a network namespace whose loopback is limited to RATE, a tc "
+           f"rate such as 100mbit or 1gbit (default {DEMO_BANDWIDTH}; needs root, ip and tc): "
+           "time to accuracy on a slow link")
     return parser
 
 
@@ -185,22 +207,50 @@ def demo_configs(args: argparse.Namespace, out: Path) -> list[TrainConfig]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """``gradpress demo``: three digits-cnn runs in one cluster, a side-by-side table, plots."""
+    """``gradpress demo``: three digits-cnn runs in one cluster (behind a link of
+    ``--bandwidth`` when given), a side-by-side table with time to accuracy, plots."""
+    rate = None if args.bandwidth is None else check_bandwidth(args.bandwidth)
     out = prepare_out_dir(args.out)
     runs = demo_configs(args, out)
     for cfg in runs:
         prepare_out_dir(cfg.out)
     t0 = time.perf_counter()
-    code = _launch(runs, out / _PLAN)
+    code = _launch(runs, out / _PLAN, bandwidth=rate)
     with _uninterrupted():
         reports = _write_reports(runs, code, plots=False)  # one set of plots with every run
-        recs = {cfg.name: read_metrics(Path(cfg.out) / "metrics.jsonl") for cfg in runs}
-        plots = plot_runs(out, {k: v for k, v in recs.items() if v}) if reports else []
+        summary = _demo_summary(runs, reports, out, rate)
         wall = time.perf_counter() - t0
-        table = format_table(reports)
         write_json(out / "report.json", {"status": "completed" if code == 0 else "stopped",
-                                         "exit_code": code, "wall_s": wall, "table": table,
-                                         "runs": reports, "plots": [str(p) for p in plots]})
-    print(f"\n{table}\n\ntotal {wall:.1f} s (one cluster, start-up included); plots and "
-          f"reports in {out}", flush=True)
+                                         "exit_code": code, "wall_s": wall, **summary,
+                                         "runs": reports})
+    print(f"\n{summary['table']}\n\n{summary['summary']}\n\ntotal {wall:.1f} s (one cluster, "
+          f"start-up included); plots and reports in {out}", flush=True)
     return code
+
+
+def _demo_summary(runs: Sequence[TrainConfig], reports: Sequence[dict[str, Any]], out: Path,
+                  rate: str | None) -> dict[str, Any]:
+    """The demo report's comparison: time to the uncompressed run's final accuracy (table and
+    sentences), the link's share of a step with ``--bandwidth``, the plots."""
+    recs = {cfg.name: read_metrics(Path(cfg.out) / "metrics.jsonl") for cfg in runs}
+    recs = {k: v for k, v in recs.items() if v}
+    baseline = DEMO_RUNS[0][0]
+    tta = time_to_accuracy(recs, baseline) if baseline in recs else None
+    plots = plot_runs(out, recs) if reports else []
+    if reports and (p := plot_eval_vs_time(out, recs, tta)) is not None:
+        plots.append(p)
+    table = format_table(reports, tta_columns(tta, [str(r["run"]) for r in reports]))
+    lines = [tta_summary(tta)]
+    link = None
+    if rate is not None:
+        link = {str(r["run"]): link_budget(r, rate, runs[0].workers) for r in reports}
+        lines += [_link_line(name, b, rate) for name, b in link.items() if b is not None]
+    return {"bandwidth": rate, "table": table, "time_to_accuracy": tta, "link": link,
+            "summary": "\n".join(lines), "plots": [str(p) for p in plots]}
+
+
+def _link_line(name: str, b: dict[str, Any], rate: str) -> str:
+    compute = "?" if b["compute_s_per_step"] is None else f"{b['compute_s_per_step']:.3f}"
+    return (f"{name}: {human_bytes(b['link_bytes_per_step'])} a step over the {rate} link "
+            f"(every worker's push and pull) need {b['link_s_per_step']:.3f} s; compute "
+            f"(forward and backward) {compute} s a step, the whole step {b['s_per_step']:.3f} s")

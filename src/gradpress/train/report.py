@@ -341,18 +341,25 @@ def format_run(rep: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_table(reports: Sequence[Mapping[str, Any]]) -> str:
-    """Side-by-side table of runs: metric, time, bytes per step, compression ratios."""
-    head = ("run", "compression", "lr", "metric", "time", "push/step", "pull/step",
-            "model vs fp32", "model vs fp16", "compressed vs fp16")
+def format_table(reports: Sequence[Mapping[str, Any]],
+                 extra: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
+    """Side-by-side table of runs: metric, time, ``extra`` columns (header, one cell per
+    report; e.g. time to accuracy), bytes per step, compression ratios."""
+    for header, cells in extra:
+        if len(cells) != len(reports):
+            raise ValueError(f"format_table: column {header!r} has {len(cells)} cells for "
+                             f"{len(reports)} reports")
+    head = ("run", "compression", "lr", "metric", "time", *(h for h, _ in extra), "push/step",
+            "pull/step", "model vs fp32", "model vs fp16", "compressed vs fp16")
     rows = [head]
-    for r in reports:
+    for i, r in enumerate(reports):
         cfg, m = r.get("config") or {}, r.get("metric")
         lr = (r.get("hparams") or {}).get("lr")
         rows.append((str(r["run"]), str(cfg.get("compression", "?")),
                      "-" if lr is None else f"{lr:g}",
                      "-" if m is None else f"{m['name']}={m['value']:.4f}",
-                     f"{r['wall_s']:.1f} s", human_bytes(r["bytes_per_step"]["push"]),
+                     f"{r['wall_s']:.1f} s", *(str(cells[i]) for _, cells in extra),
+                     human_bytes(r["bytes_per_step"]["push"]),
                      human_bytes(r["bytes_per_step"]["pull"]), _x(r["model_ratio_vs_fp32"]),
                      _x(r["model_ratio_vs_fp16"]), _x(r.get("compressed_ratio_vs_fp16"))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -272,15 +272,19 @@ class Session:
     def start(self, warmup: bool = True) -> None:
         """Start the run's clock and byte counters (called by :meth:`step` if not yet).
 
-        With ``warmup`` (every worker must call it then), first push_pull one throw-away
-        tensor with the run's codec: kernels compile or load and links open on workers and
-        servers, so the first measured step is not charged for them.
+        With ``warmup`` (every worker must call it then), first run the optimizers' fused
+        kernel on a tiny tensor and push_pull one throw-away tensor with the run's codec:
+        kernels compile or load and links open on workers and servers, so the first measured
+        step is not charged for them.
         """
         if self._started:
             return
         if warmup:
             import gradpress as gp
 
+            from ..optim import kernels
+
+            kernels.warm()  # the layer-wise optimizers' fused kernel (numba)
             n = max(1024, self.cfg.min_compress_bytes // 4)
             x = torch.linspace(-1.0, 1.0, n)
             ef = self.cfg.effective_ef
