@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-# With corrected error feedback every push carries the lr the residual is rescaled by: 1-bit
-# LANS pushes its momentum in s.step, DistributedOptimizer pushes gradients from backward hooks.
-# The script records, per step, the lr ``s.step`` applied and the lr(s) every push of that step
-# carried (push_pull_async wrapped, called through).
-SCRIPT = textwrap.dedent('''
+# Both scripts start alike: a session's optimizer of a small MLP on 2 workers.
+START = textwrap.dedent('''
     import inspect, json, sys
     import torch
     import gradpress as gp
@@ -26,6 +23,12 @@ SCRIPT = textwrap.dedent('''
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
     opt = s.optimizer(model)
+''')
+# With corrected error feedback every push carries the lr the residual is rescaled by: 1-bit
+# LANS pushes its momentum in s.step, DistributedOptimizer pushes gradients from backward hooks.
+# The script records, per step, the lr ``s.step`` applied and the lr(s) every push of that step
+# carried (push_pull_async wrapped, called through).
+SCRIPT = START + textwrap.dedent('''
     pushed = []
     real = gp.push_pull_async
 
@@ -83,17 +86,7 @@ def test_corrected_error_feedback_gets_the_lr_of_the_step_it_pushes(
 
 # 1-bit LANS in a session: the dense phase's codec and the blend follow the run's compression
 # (bf16 and no blend when a tensor is compressed; fp32 and LANS's blend when none is).
-BLEND_SCRIPT = textwrap.dedent('''
-    import json, sys
-    import torch
-    import gradpress as gp
-    from gradpress.train import Session
-
-    gp.init()
-    s = Session.from_env()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
-    opt = s.optimizer(model)
+BLEND_SCRIPT = START + textwrap.dedent('''
     s.start()
     pushed = []
     for step in range(s.cfg.steps):
