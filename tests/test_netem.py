@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -126,9 +127,22 @@ def test_namespace_removed_on_exception_and_processes_killed():
     with pytest.raises(RuntimeError, match="boom"):
         with netem.rate_limited_namespace(None) as ns:
             sleeper = subprocess.Popen(ns.cmd(["sleep", "60"]))
+            _wait_inside(ns.name, sleeper.pid)
             raise RuntimeError("boom")
     assert not _exists(ns.name)
     assert sleeper.wait(10) == -signal.SIGKILL
+
+
+def _wait_inside(name: str, pid: int, timeout: float = 20.0) -> None:
+    """Wait until process ``pid`` has entered namespace ``name`` (``ip netns exec`` joins it a
+    moment after it starts; on a loaded machine the cleanup could otherwise run first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+        if str(pid) in out.stdout.split():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} did not enter namespace {name} within {timeout} s")
 
 
 @needs_root
