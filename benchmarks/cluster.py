@@ -144,7 +144,9 @@ class Driver:
                   str(self._cfg(name, system, model, net.device))]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": net.device,
                "GRADPRESS_TIMEOUT": str(int(self.args.timeout)),
-               "GRADPRESS_SECRET": secrets.token_hex(32), "PYTHONPATH": str(HERE)}
+               "GRADPRESS_SECRET": secrets.token_hex(32),
+               "PYTHONPATH": os.pathsep.join(filter(None, (str(HERE),
+                                                           os.environ.get("PYTHONPATH"))))}
         if self.args.profile and system in GP_SYSTEMS:
             env["GRADPRESS_TRACE"] = str(self.out_dir / f"{name}.trace.json")
         nodes, procs = len(net.prefixes), []
@@ -168,7 +170,7 @@ class Driver:
                  for r in range(nodes * wpn)]
         out = _summary(ranks)
         if self.args.profile:
-            out["profile"] = _profile(self.out_dir, name, ranks[0]["marks"])
+            out["profile"] = _profile(self.out_dir, name, [r["marks"] for r in ranks])
         return out
 
     def _wait(self, procs: list[subprocess.Popen], name: str) -> None:
@@ -193,18 +195,19 @@ def _gradpress_cmd() -> list[str]:
         sys.executable, "-c", "import sys; from gradpress.cli import main; sys.exit(main())"]
 
 
-def _profile(out_dir: Path, name: str, marks: list[list[float]]) -> dict:
-    """Worker 0's step profile from the job's traces, or its marks only (no traces)."""
+def _profile(out_dir: Path, name: str, marks: list[list[list[float]]]) -> dict:
+    """Worker 0's step profile from the job's traces, or its marks only (no traces);
+    ``marks``: each worker's step marks."""
     import profile_trace as pt
 
-    windows = [pt.Window(*m) for m in marks]
+    windows = [[pt.Window(*m) for m in rank] for rank in marks]
     worker = out_dir / f"{name}.trace.worker0.json"
     if not worker.exists():
-        return pt.marks(windows)
+        return pt.marks(windows[0])
     servers = [s for f in sorted(out_dir.glob(f"{name}.trace.server*.json"))
                for s in pt.spans_of(json.loads(f.read_text()))]
     mine = pt.spans_of(json.loads(worker.read_text()))
-    return asdict(pt.profile(mine, servers, windows))
+    return asdict(pt.profile(mine, servers, windows[0], windows[1:]))
 
 
 def _summary(ranks: list[dict]) -> dict:

@@ -61,6 +61,10 @@ class StepProfile:
     last_compress_after_backward_s: float  # when the last chunk was compressed
     last_reply_after_backward_s: float  # when the last reply arrived
     last_decompress_after_backward_s: float  # when the last reply was decoded
+    last_to_server_s: float  # last reply's chunk: push wire, queues, the other pushes' wait
+    last_at_server_s: float  # its decode + add + recompress at the server
+    last_from_server_s: float  # its reply on the wire and into the receive thread
+    backward_skew_s: float  # the slowest other worker's backward end minus this one's
     chunks: int  # chunks this worker pushed in the step
     keys: int  # distinct keys among them
 
@@ -102,8 +106,25 @@ def _last(spans: list[Span], name: str, after: float) -> float:
     return max(ends) - after if ends else 0.0
 
 
-def profile_step(worker: list[Span], servers: list[Span], w: Window) -> StepProfile:
-    """Aggregate one worker's spans and all servers' spans of the step ``w``."""
+def _last_chunk(mine: list[Span], srv: list[Span]) -> tuple[float, float, float]:
+    """The flight of the last reply split at the server: before, at, after (0s if unknown)."""
+    flights = [s for s in mine if s.name == "push+pull"]
+    if not flights:
+        return 0.0, 0.0, 0.0
+    last = max(flights, key=lambda s: s.end)
+    dec = [s for s in srv if s.key == last.key and s.name == SERVER_STAGES[0]]
+    enc = [s for s in srv if s.key == last.key and s.name == SERVER_STAGES[1]]
+    if not dec or not enc:
+        return 0.0, 0.0, 0.0
+    d, e = max(dec, key=lambda s: s.end), max(enc, key=lambda s: s.end)
+    busy = d.end - d.start - d.wait
+    return d.end - busy - last.start, busy + e.end - e.start, last.end - e.end
+
+
+def profile_step(worker: list[Span], servers: list[Span], w: Window,
+                 others: tuple[Window, ...] = ()) -> StepProfile:
+    """Aggregate one worker's spans and all servers' spans of the step ``w``; ``others``: the
+    same step of the other workers (for the skew of their backward ends)."""
     mine = _inside(worker, w, WORKER_STAGES)
     srv = _inside(servers, w, SERVER_STAGES)
     by = {n: [s for s in mine if s.name == n] for n in WORKER_STAGES}
@@ -120,14 +141,20 @@ def profile_step(worker: list[Span], servers: list[Span], w: Window) -> StepProf
         last_compress_after_backward_s=_last(mine, "compress", w.backward_end),
         last_reply_after_backward_s=_last(mine, "push+pull", w.backward_end),
         last_decompress_after_backward_s=_last(mine, "decompress", w.backward_end),
+        **dict(zip(("last_to_server_s", "last_at_server_s", "last_from_server_s"),
+                   _last_chunk(mine, srv), strict=True)),
+        backward_skew_s=max((o.backward_end - w.backward_end for o in others), default=0.0),
         chunks=len(compress), keys=len({s.key for s in compress}))
 
 
-def profile(worker: list[Span], servers: list[Span], windows: list[Window]) -> StepProfile:
-    """Median of every field of :func:`profile_step` over ``windows`` (at least one)."""
+def profile(worker: list[Span], servers: list[Span], windows: list[Window],
+            others: list[list[Window]] | None = None) -> StepProfile:
+    """Median of every field of :func:`profile_step` over ``windows`` (at least one);
+    ``others``: the windows of each other worker, step by step."""
     if not windows:
         raise ValueError("profile needs at least one step window")
-    steps = [profile_step(worker, servers, w) for w in windows]
+    per_step = list(zip(*others, strict=True)) if others else [()] * len(windows)
+    steps = [profile_step(worker, servers, w, o) for w, o in zip(windows, per_step, strict=True)]
     med = {f.name: statistics.median(getattr(p, f.name) for p in steps)
            for f in fields(StepProfile)}
     med["chunks"], med["keys"] = int(med["chunks"]), int(med["keys"])
@@ -155,6 +182,10 @@ ROWS = (("step_s", "step (worker 0)"),
         ("last_compress_after_backward_s", "last chunk compressed, after backward end"),
         ("last_reply_after_backward_s", "last reply received, after backward end"),
         ("last_decompress_after_backward_s", "last reply decoded, after backward end"),
+        ("last_to_server_s", "last reply's chunk: push on the wire + waiting for the other push"),
+        ("last_at_server_s", "last reply's chunk: at the server (decode, add, recompress)"),
+        ("last_from_server_s", "last reply's chunk: reply on the wire + receive"),
+        ("backward_skew_s", "other worker's backward end minus worker 0's"),
         ("chunks", "chunks (keys) per step"))
 
 

@@ -53,7 +53,12 @@ def test_one_step_is_aggregated_by_stage() -> None:
             "compress_thread_s": 0.15, "in_flight_s": 0.40, "in_flight_chunk_s": 0.40,
             "server_busy_s": 0.05 + 0.02 + 0.04 + 0.04, "server_wait_s": 0.37,
             "decompress_thread_s": 0.07, "last_compress_after_backward_s": 0.05,
-            "last_reply_after_backward_s": 0.2, "last_decompress_after_backward_s": 0.25}
+            "last_reply_after_backward_s": 0.2, "last_decompress_after_backward_s": 0.25,
+            # key 2's flight 10.65 .. 10.80 split at the server (busy 0.04 + 0.04, done 10.76)
+            "last_to_server_s": 0.03, "last_at_server_s": 0.08, "last_from_server_s": 0.04,
+            "backward_skew_s": 0.05}
+    p = pt.profile_step(pt.spans_of(WORKER), pt.spans_of(SERVER), WINDOW,
+                        (pt.Window(10.0, 10.65, 10.9, 11.0),))
     for k, v in want.items():
         assert getattr(p, k) == pytest.approx(v), k
     assert (p.chunks, p.keys) == (2, 2)
@@ -71,6 +76,11 @@ def test_median_over_steps_and_rows() -> None:
     w2, w3 = pt.Window(20.0, 20.5, 20.6, 21.0), pt.Window(30.0, 30.2, 30.3, 30.4)
     p = pt.profile(spans, [], [WINDOW, w2, w3])
     assert p.step_s == pytest.approx(1.0) and p.chunks == 0  # medians of 1.0, 1.0, 0.4; 2, 0, 0
+    assert p.last_to_server_s == 0.0  # no server spans: the split is unknown
+    skew = pt.profile(spans, [], [WINDOW, w2, w3], [[w._replace(backward_end=w.backward_end + d)
+                                                      for w, d in zip((WINDOW, w2, w3),
+                                                                      (0.1, 0.2, 0.3))]])
+    assert skew.backward_skew_s == pytest.approx(0.2)
     with pytest.raises(ValueError):
         pt.profile(spans, [], [])
     floor = pt.marks([WINDOW, w2])
