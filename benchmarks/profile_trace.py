@@ -196,6 +196,9 @@ def profile_rows(profiles: dict[str, dict], floor: dict | None = None) -> list[s
     rows = ["| stage (median of the timed steps) | " + " | ".join(cols) + " |",
             "|---|" + "---|" * len(cols)]
     for field, label in ROWS:
+        if field == "forward_backward_s" and floor:
+            rows.append("| above the compute floor (step - local step) | " + " | ".join(
+                f"{p['step_s'] - floor['step_s']:.4f}" for p in cols.values()) + " |")
         cells = []
         for p in cols.values():
             v = p.get(field)

@@ -87,7 +87,9 @@ def test_median_over_steps_and_rows() -> None:
     assert floor["sync_s"] == pytest.approx(0.2)
     rows = pt.profile_rows({"gp-onebit": asdict(p)}, floor)
     assert rows[0] == "| stage (median of the timed steps) | local | gp-onebit |"
-    assert len(rows) == 2 + len(pt.ROWS)
+    assert len(rows) == 3 + len(pt.ROWS)
+    assert rows[3] == "| above the compute floor (step - local step) | 0.0000 | 0.0000 |"
+    assert len(pt.profile_rows({"gp-onebit": asdict(p)})) == 2 + len(pt.ROWS)
     assert rows[-1].endswith("| - | 0 (0) |")
 
 
