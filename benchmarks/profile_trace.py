@@ -65,6 +65,7 @@ class StepProfile:
     last_at_server_s: float  # its decode + add + recompress at the server
     last_from_server_s: float  # its reply on the wire and into the receive thread
     backward_skew_s: float  # the slowest other worker's backward end minus this one's
+    tail_after_slowest_backward_s: float  # last reply decoded, after the last backward end
     chunks: int  # chunks this worker pushed in the step
     keys: int  # distinct keys among them
 
@@ -144,6 +145,8 @@ def profile_step(worker: list[Span], servers: list[Span], w: Window,
         **dict(zip(("last_to_server_s", "last_at_server_s", "last_from_server_s"),
                    _last_chunk(mine, srv), strict=True)),
         backward_skew_s=max((o.backward_end - w.backward_end for o in others), default=0.0),
+        tail_after_slowest_backward_s=_last(mine, "decompress", max(
+            [w.backward_end, *(o.backward_end for o in others)])),
         chunks=len(compress), keys=len({s.key for s in compress}))
 
 
@@ -186,6 +189,7 @@ ROWS = (("step_s", "step (worker 0)"),
         ("last_at_server_s", "last reply's chunk: at the server (decode, add, recompress)"),
         ("last_from_server_s", "last reply's chunk: reply on the wire + receive"),
         ("backward_skew_s", "other worker's backward end minus worker 0's"),
+        ("tail_after_slowest_backward_s", "last reply decoded, after the slower backward end"),
         ("chunks", "chunks (keys) per step"))
 
 

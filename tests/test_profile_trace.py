@@ -56,7 +56,7 @@ def test_one_step_is_aggregated_by_stage() -> None:
             "last_reply_after_backward_s": 0.2, "last_decompress_after_backward_s": 0.25,
             # key 2's flight 10.65 .. 10.80 split at the server (busy 0.04 + 0.04, done 10.76)
             "last_to_server_s": 0.03, "last_at_server_s": 0.08, "last_from_server_s": 0.04,
-            "backward_skew_s": 0.05}
+            "backward_skew_s": 0.05, "tail_after_slowest_backward_s": 0.20}
     p = pt.profile_step(pt.spans_of(WORKER), pt.spans_of(SERVER), WINDOW,
                         (pt.Window(10.0, 10.65, 10.9, 11.0),))
     for k, v in want.items():
