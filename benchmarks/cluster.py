@@ -204,8 +204,8 @@ def _profile(out_dir: Path, name: str, marks: list[list[list[float]]]) -> dict:
     worker = out_dir / f"{name}.trace.worker0.json"
     if not worker.exists():
         return pt.marks(windows[0])
-    servers = [s for f in sorted(out_dir.glob(f"{name}.trace.server*.json"))
-               for s in pt.spans_of(json.loads(f.read_text()))]
+    servers = [s for f in sorted(out_dir.glob(f"{name}.trace.*.json"))  # colocated: in workers'
+               for s in pt.spans_of(json.loads(f.read_text())) if s.name in pt.SERVER_STAGES]
     mine = pt.spans_of(json.loads(worker.read_text()))
     return asdict(pt.profile(mine, servers, windows[0], windows[1:]))
 

@@ -115,3 +115,12 @@ def test_profile_table_puts_the_floor_first() -> None:
     rows = cluster.profile_table(res)
     assert rows[0].split("|")[2:4] == [" local ", " gp-ddp-hook "]
     assert "| step (worker 0) | 0.1500 | 0.1600 |" in rows
+
+
+def test_driver_reads_the_job_traces(tmp_path: Path) -> None:
+    (tmp_path / "j.trace.worker0.json").write_text(json.dumps(WORKER))
+    (tmp_path / "j.trace.server0.json").write_text(json.dumps(SERVER))
+    marks = [[list(WINDOW)], [[10.0, 10.65, 10.9, 11.0]]]
+    p = cluster._profile(tmp_path, "j", marks)
+    assert p["server_busy_s"] == pytest.approx(0.15) and p["backward_skew_s"] == pytest.approx(0.05)
+    assert cluster._profile(tmp_path, "other", marks) == pt.marks([WINDOW])  # no traces
