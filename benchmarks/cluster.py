@@ -23,6 +23,11 @@ Run as root (network namespaces): ``sudo .venv/bin/python benchmarks/cluster.py 
 A step is forward, backward and optimizer step; its time is that of the slowest worker; the
 table gives the median over the timed steps (best step in brackets) and speed-ups against DDP
 fp32 measured in the same run. Namespaces are removed afterwards, also on failure or Ctrl-C.
+
+``--profile`` adds, per model of the speed part, a per-stage profile of a step of worker 0
+(``benchmarks/profile_trace.py``): the gradpress systems run with ``GRADPRESS_TRACE`` and their
+worker and server traces are aggregated over the timed steps; the other systems get the
+stages their step marks give (forward + backward, synchronisation, update).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -88,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tensors below this travel uncompressed (1 MiB)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job (600)")
     p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--profile", action="store_true",
+                   help="speed part: per-stage profile of a step from the gradpress traces "
+                        "(benchmarks/profile_trace.py)")
     args = p.parse_args(argv)
     args.models = [m for m in (args.models or ("vgg" if args.quick else "vgg,bert")).split(",")
                    if m]
@@ -103,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            ("--scaling-systems", args.scaling_systems, GP_SYSTEMS)):
         if not vals or set(vals) - set(ok):
             p.error(f"{name} must be a non-empty subset of {','.join(ok)}, got {vals!r}")
+    if args.profile and "speed" not in args.parts:
+        p.error("--profile profiles the speed part: --parts must include speed")
     for name in ("hosts", "warmup", "steps", "batch"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "warmup" else 1):
@@ -134,7 +144,11 @@ class Driver:
                   str(self._cfg(name, system, model, net.device))]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": net.device,
                "GRADPRESS_TIMEOUT": str(int(self.args.timeout)),
-               "GRADPRESS_SECRET": secrets.token_hex(32), "PYTHONPATH": str(HERE)}
+               "GRADPRESS_SECRET": secrets.token_hex(32),
+               "PYTHONPATH": os.pathsep.join(filter(None, (str(HERE),
+                                                           os.environ.get("PYTHONPATH"))))}
+        if self.args.profile and system in GP_SYSTEMS:
+            env["GRADPRESS_TRACE"] = str(self.out_dir / f"{name}.trace.json")
         nodes, procs = len(net.prefixes), []
         for h, prefix in enumerate(net.prefixes):
             if system in GP_SYSTEMS:
@@ -154,7 +168,10 @@ class Driver:
         self._wait(procs, name)
         ranks = [json.loads((self.out_dir / f"{name}.rank{r}.json").read_text())
                  for r in range(nodes * wpn)]
-        return _summary(ranks)
+        out = _summary(ranks)
+        if self.args.profile:
+            out["profile"] = _profile(self.out_dir, name, [r["marks"] for r in ranks])
+        return out
 
     def _wait(self, procs: list[subprocess.Popen], name: str) -> None:
         deadline, errors = time.monotonic() + self.args.timeout, []
@@ -176,6 +193,21 @@ def _gradpress_cmd() -> list[str]:
     exe = Path(sys.executable).with_name("gradpress")
     return [str(exe)] if exe.exists() else [
         sys.executable, "-c", "import sys; from gradpress.cli import main; sys.exit(main())"]
+
+
+def _profile(out_dir: Path, name: str, marks: list[list[list[float]]]) -> dict:
+    """Worker 0's step profile from the job's traces, or its marks only (no traces);
+    ``marks``: each worker's step marks."""
+    import profile_trace as pt
+
+    windows = [[pt.Window(*m) for m in rank] for rank in marks]
+    worker = out_dir / f"{name}.trace.worker0.json"
+    if not worker.exists():
+        return pt.marks(windows[0])
+    servers = [s for f in sorted(out_dir.glob(f"{name}.trace.*.json"))  # colocated: in workers'
+               for s in pt.spans_of(json.loads(f.read_text())) if s.name in pt.SERVER_STAGES]
+    mine = pt.spans_of(json.loads(worker.read_text()))
+    return asdict(pt.profile(mine, servers, windows[0], windows[1:]))
 
 
 def _summary(ranks: list[dict]) -> dict:
@@ -305,6 +337,15 @@ def scaling_table(res: dict) -> list[str]:
     return rows
 
 
+def profile_table(res: dict) -> list[str]:
+    """The ``--profile`` table of one model: a column per system, the floor first."""
+    import profile_trace as pt
+
+    profs = {s: r["profile"] for s, r in res.items() if "profile" in r and s != "local"}
+    floor = res.get("local", {}).get("profile")
+    return pt.profile_rows(profs, floor)
+
+
 def machine() -> str:
     """Cores, CPU model, load average and kernel of this machine."""
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
@@ -331,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             for model, res in results["speed"].items():
                 lines += [f"\n{model} at {args.rate} per host ({net.what}):", "",
                           *speed_table(res)]
+                if args.profile:
+                    lines += [f"\nprofile of a step, {model} (worker 0, seconds):", "",
+                              *profile_table(res)]
         if "loopback" in args.parts:
             results["loopback"] = part_loopback(drv)
             lines += ["\nloopback (vgg, 2 workers + 2 servers, no limit):", "",

@@ -10,8 +10,10 @@ systems). Steps:
    ``local`` system wraps nothing (each rank trains alone: the compute floor of a step);
 3. run ``warmup`` steps, a barrier, then ``steps`` timed steps (forward, backward, optimizer
    step; each rank has its own fixed batch), recording each step's seconds;
-4. write seconds, the host interface's byte counters over the timed steps (``/proc/net/dev``
-   of this process's network namespace) and, for gradpress, ``gp.stats()`` deltas to
+4. write seconds, the ``perf_counter`` marks of each timed step (start, end of backward, end
+   of the gradient synchronisation, end; see ``benchmarks/profile_trace.py``), the host
+   interface's byte counters over the timed steps (``/proc/net/dev`` of this process's
+   network namespace) and, for gradpress, ``gp.stats()`` deltas to
    ``<out_dir>/<name>.rank<r>.json``.
 """
 
@@ -115,18 +117,16 @@ def run(cfg: dict) -> dict:
     else:
         net, barrier = _ddp(cfg, model)
     data = make_batch(cfg["model"], cfg["batch"], seed=1 + rank)
-    seconds, net0, st0 = [], 0, {}
+    seconds, marks, net0, st0 = [], [], 0, {}
     for i in range(cfg["warmup"] + cfg["steps"]):
         if i == cfg["warmup"]:  # step 3: timed steps start together
             barrier()
             net0 = iface_bytes(cfg["device"])
             st0 = _gp_stats() if gp_system else {}
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=False)
-        loss_of(net, cfg["model"], data).backward()
-        opt.step()
-        seconds.append(time.perf_counter() - t0)
-    res = {"seconds": seconds[cfg["warmup"]:],
+        mark = _step(opt, net, cfg["model"], data, gp_system)
+        seconds.append(mark[-1] - mark[0])
+        marks.append(mark)
+    res = {"seconds": seconds[cfg["warmup"]:], "marks": marks[cfg["warmup"]:],
            "iface_bytes": (iface_bytes(cfg["device"]) - net0) / cfg["steps"]}
     if gp_system:
         st1 = _gp_stats()
@@ -134,6 +134,24 @@ def run(cfg: dict) -> dict:
                            - st0["bytes_pushed"] - st0["bytes_pulled"]) / cfg["steps"]
         res["stage_s"] = {k: (st1[k] - st0[k]) / cfg["steps"] for k in st1 if k.endswith("_s")}
     return res
+
+
+def _step(opt: torch.optim.Optimizer, net: torch.nn.Module, model: str, data: object,
+          gp_system: bool) -> list[float]:
+    """One training step; its ``perf_counter`` marks: start, end of backward, end of the
+    gradient synchronisation (gradpress: ``synchronize()``; else = end of backward), end."""
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=False)
+    loss_of(net, model, data).backward()
+    t1 = t2 = time.perf_counter()
+    if gp_system:
+        opt.synchronize()  # type: ignore[attr-defined]  # what step() would do first
+        t2 = time.perf_counter()
+        with opt.skip_synchronize():  # type: ignore[attr-defined]
+            opt.step()
+    else:
+        opt.step()
+    return [t0, t1, t2, time.perf_counter()]
 
 
 def _gp_stats() -> dict:

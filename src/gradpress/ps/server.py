@@ -374,7 +374,7 @@ class ServerEngine:
             s["compress_s"] += t2 - t1
         if self.tracer.enabled:
             self.tracer.add("server.recv+decode_add", t0, t1, key=ks.key, step=ks.step - 1,
-                            name=ks.desc.name, chunk=ks.desc.chunk)
+                            name=ks.desc.name, chunk=ks.desc.chunk, wait=wait_s)
             self.tracer.add("server.compress", t1, t2, key=ks.key, step=ks.step - 1)
 
 

@@ -3,7 +3,9 @@
 Each process writes its own file: ``path`` with ``.<role><index>`` inserted before the
 extension (``trace.json`` -> ``trace.worker0.json``, ``trace.server1.json``), or ``path`` with
 ``{role}``/``{rank}`` placeholders filled when it has them. Open it in ``chrome://tracing`` or
-Perfetto; events are complete events (``"ph": "X"``) with the key as an argument.
+Perfetto; events are complete events (``"ph": "X"``) with the key as an argument. A metadata
+event ``clock`` gives the ``time.perf_counter()`` seconds of ``ts == 0`` (``args.t0_s``), so the
+files of processes on one machine can be put on one time line (``t0_s + ts / 1e6``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ class Tracer:
         self.path = path
         self.enabled = path is not None
         self._pid = pid
-        self._events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid,
-                                     "args": {"name": process_name}}]
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
+        self._events: list[dict] = [{"name": "process_name", "ph": "M", "pid": pid,
+                                     "args": {"name": process_name}},
+                                    {"name": "clock", "ph": "M", "pid": pid,
+                                     "args": {"t0_s": self._t0}}]
 
     def add(self, stage: str, start: float, end: float, /, **args: object) -> None:
         """Record a span from ``start`` to ``end`` (``time.perf_counter()`` seconds)."""
