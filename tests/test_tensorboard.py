@@ -3,13 +3,14 @@
 The records-to-scalars mapping and the option are checked in this process; the writer on
 synthetic records and one real ``gradpress train`` run (digits-cnn, 4 one-bit steps) are read
 back with TensorBoard's own ``EventAccumulator``; a second short run with ``--no-tensorboard`` in
-the same directory leaves no event files.
+the same directory leaves no event files; the script of docs/integrations.md runs as written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -176,3 +177,25 @@ def test_no_tensorboard_writes_no_event_files(tb_run: tuple[Path, str], tmp_path
     assert "TensorBoard" not in p.stdout
     assert _event_files(out) == []
     assert "tensorboard" not in json.loads((out / "report.json").read_text())
+
+
+def _doc_script() -> str:
+    """The script of docs/integrations.md's TensorBoard section."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    section = text[text.index("## TensorBoard"):]
+    m = re.search(r"^```python\n(.*?)^```$", section, re.M | re.S)
+    assert m, "no python block in the TensorBoard section of docs/integrations.md"
+    return m.group(1)
+
+
+def test_the_documented_script_writes_scalars(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    (tmp_path / "train.py").write_text(_doc_script())
+    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
+           "--", sys.executable, "train.py"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ev = _events(tmp_path / "runs" / "mine" / "tensorboard")
+    assert [s for s, _ in ev["train/loss"]] == [1, 2, 3, 4, 5]
+    assert all(v > 0 for _, v in ev["comm/bytes_pushed_per_step"])
+    assert all(v > 10 for _, v in ev["comm/compression_ratio"])  # one-bit on the big layers

@@ -2,7 +2,8 @@
 
 A session builds the configured optimizer, drives the learning-rate schedule, times the stages
 of each step, and (on rank 0) appends one JSON record per step to ``metrics.jsonl`` with the
-bytes that crossed the wire (per-step deltas of ``gp.stats()``); at the first compressed step
+bytes that crossed the wire (per-step deltas of ``gp.stats()``), also as TensorBoard scalars
+with ``cfg.tensorboard`` (:mod:`gradpress.train.tensorboard`); at the first compressed step
 rank 0 prints the optimizer's plan (``opt.plan()``, see ``docs/train.md``) and records it. A
 user script started by ``gradpress train ... -- python my_train.py`` gets the same machinery::
 

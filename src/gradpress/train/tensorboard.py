@@ -17,7 +17,9 @@ on), which writes event files into ``<run dir>/tensorboard/`` with
   ``send``, ``wait``, ``decompress``).
 
 The ``tensorboard`` package is the optional extra ``gradpress[tensorboard]``; it is imported
-only when a writer is built, never by ``import gradpress``.
+only when a writer is built, never by ``import gradpress``. ``TrainConfig.tensorboard=None``
+(auto) is decided by ``gradpress train`` (:func:`resolve`) before the workers start; a session
+whose config still says None (``gradpress demo``'s runs) writes no event files.
 """
 
 from __future__ import annotations
