@@ -33,6 +33,8 @@ from .report import (
 )
 from .session import CONFIG_ENV
 from .slowlink import check_bandwidth, launch_limited, link_budget
+from .tensorboard import SUBDIR as TB_SUBDIR
+from .tensorboard import resolve as resolve_tensorboard
 from .tta import plot_eval_vs_time, time_to_accuracy, tta_columns, tta_summary
 
 __all__ = ["add_train_arguments", "run_train", "add_demo_arguments", "run_demo",
@@ -70,6 +72,8 @@ def prepare_out_dir(path: str | Path) -> Path:
         probe.unlink()
         for name in (*_OUTPUTS, _PLAN):
             (p / name).unlink(missing_ok=True)
+        for f in (p / TB_SUBDIR).glob("events.out.tfevents.*"):
+            f.unlink()  # TensorBoard would show the earlier run's steps with this one's
     except OSError as e:
         raise ValueError(f"output directory {str(path)!r} cannot be written: "
                          f"{e.strerror or e}") from None
@@ -139,6 +143,8 @@ def _write_reports(runs: Sequence[TrainConfig], code: int, plots: bool = True
         rep = run_report(recs)
         rep["status"] = _status(rep, code)
         rep.setdefault("config", cfg.to_dict())
+        if cfg.tensorboard:
+            rep["tensorboard"] = str(Path(cfg.out) / TB_SUBDIR)
         if plots:
             rep["plots"] = [str(p) for p in plot_runs(cfg.out, {cfg.name: recs})]
         write_json(Path(cfg.out) / "report.json", rep)
@@ -163,9 +169,13 @@ def _uninterrupted() -> Iterator[None]:
 def run_train(args: argparse.Namespace) -> int:
     """``gradpress train``: validate, launch, report; returns the exit status."""
     cfg = _train_config(args)
+    tensorboard = resolve_tensorboard(cfg.tensorboard)  # --tensorboard without it: an error
     _check_param_names(cfg)
     out = prepare_out_dir(cfg.out)
-    cfg = cfg.replace(out=str(out))
+    cfg = cfg.replace(out=str(out), tensorboard=tensorboard)
+    if tensorboard:
+        print(f"gradpress train: TensorBoard scalars in {out / TB_SUBDIR} (tensorboard --logdir "
+              f"{out})", flush=True)
     t0 = time.perf_counter()
     code = _launch([cfg], out / _PLAN, cfg.script)
     with _uninterrupted():

@@ -133,6 +133,10 @@ class TrainConfig:
     out: str = option("runs/train", "run directory: metrics.jsonl, report.json, plots",
                       metavar="DIR")
     progress: bool = option(True, "the progress bar on rank 0")
+    tensorboard: bool | None = option(None, "TensorBoard scalars (loss, lr, eval, bytes, "
+                                            "compression ratio, stage times) in "
+                                            "OUT/tensorboard/ (default: when the tensorboard "
+                                            "package is installed)")
 
     def __post_init__(self) -> None:
         self._check_what()
@@ -160,6 +164,9 @@ class TrainConfig:
                              f"names or patterns, got {self.uncompressed_params!r}")
         if not isinstance(self.progress, bool):
             raise ValueError(f"TrainConfig.progress must be a bool, got {self.progress!r}")
+        if self.tensorboard is not None and not isinstance(self.tensorboard, bool):
+            raise ValueError(f"TrainConfig.tensorboard must be True, False or None (on when "
+                             f"the package is installed), got {self.tensorboard!r}")
         self._check_codec()
 
     def _check_dense_steps(self) -> None:

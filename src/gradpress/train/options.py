@@ -6,7 +6,8 @@ every such field into an ``argparse`` argument and :func:`from_namespace` builds
 from the parsed namespace. The mapping from a field to its option:
 
 1. the option is ``--`` plus the field name with ``_`` as ``-``; a ``bool`` field whose default
-   is True becomes ``--no-NAME`` (it turns the field off), one whose default is False ``--NAME``;
+   is True becomes ``--no-NAME`` (it turns the field off), one whose default is False ``--NAME``,
+   and a ``bool | None`` field (default None: decided later) the pair ``--NAME``/``--no-NAME``;
 2. the value type is the field's type without ``None``: ``int``, ``float`` or ``str``; a
    ``tuple[X, ...]`` takes one or more values and a ``tuple[X, X]`` exactly two;
 3. the default is the field's; the help ends with it (and the choices) unless it is None (the
@@ -104,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> argparse.Argume
                                 **kw)
             continue
         tp, nargs = _value_type(hints[f.name])
-        if tp is bool:
+        if tp is bool and f.default is None:  # --NAME / --no-NAME, None when neither
+            kw.update(action=argparse.BooleanOptionalAction, default=None)
+        elif tp is bool:
             kw.update(action="store_false" if f.default else "store_true", default=f.default)
         else:
             kw.update(type=tp, default=f.default, metavar=meta["metavar"])

@@ -2,7 +2,8 @@
 
 A session builds the configured optimizer, drives the learning-rate schedule, times the stages
 of each step, and (on rank 0) appends one JSON record per step to ``metrics.jsonl`` with the
-bytes that crossed the wire (per-step deltas of ``gp.stats()``); at the first compressed step
+bytes that crossed the wire (per-step deltas of ``gp.stats()``), also as TensorBoard scalars
+with ``cfg.tensorboard`` (:mod:`gradpress.train.tensorboard`); at the first compressed step
 rank 0 prints the optimizer's plan (``opt.plan()``, see ``docs/train.md``) and records it. A
 user script started by ``gradpress train ... -- python my_train.py`` gets the same machinery::
 
@@ -88,6 +89,11 @@ class Session:
         self.steps = 0
         self.run_dir = Path(run_dir or cfg.out)
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.tensorboard: Any = None  # rank 0 with cfg.tensorboard: the same records as scalars
+        if self.writer is not None and cfg.tensorboard:
+            from .tensorboard import SUBDIR, TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(self.run_dir / SUBDIR)
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self._step_stage = dict.fromkeys(STAGES, 0.0)
         self._named: list[tuple[str, torch.Tensor]] = []
@@ -298,9 +304,9 @@ class Session:
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self._step_stage = dict.fromkeys(STAGES, 0.0)
         if self.writer is not None:
-            self.writer.write({"kind": "start", "run": self.cfg.name,
-                               "config": self.cfg.to_dict(), "hparams": self.hparams,
-                               "workers": self.size, "setup_s": self.setup_s})
+            self._record({"kind": "start", "run": self.cfg.name,
+                          "config": self.cfg.to_dict(), "hparams": self.hparams,
+                          "workers": self.size, "setup_s": self.setup_s})
 
     def set_lr(self, opt: torch.optim.Optimizer) -> float:
         """Apply the schedule for step ``self.steps``; returns the lr of the first group."""
@@ -347,11 +353,18 @@ class Session:
 
     def _write_plan(self) -> None:
         if self.writer is not None and self._plan is not None and not self._plan_written:
-            self.writer.write({"kind": "plan", "run": self.cfg.name, "step": self.steps,
-                               **self._plan.to_dict()})
+            self._record({"kind": "plan", "run": self.cfg.name, "step": self.steps,
+                          **self._plan.to_dict()})
             self._plan_written = True
 
     # -- metrics --------------------------------------------------------------------------------
+    def _record(self, rec: Mapping[str, Any]) -> None:
+        """Rank 0: append ``rec`` to ``metrics.jsonl`` and give its scalars to TensorBoard."""
+        if self.writer is not None:
+            self.writer.write(rec)
+        if self.tensorboard is not None:
+            self.tensorboard.write(rec)
+
     @staticmethod
     def _stats() -> dict[str, float]:
         import gradpress as gp
@@ -372,7 +385,7 @@ class Session:
                    "time_s": now - self._t0, "step_s": now - self._last_t,
                    **{k: int(stats[k] - self._last_stats[k]) for k in _BYTES},
                    "stages": stages}
-            self.writer.write(rec)
+            self._record(rec)
         self._last_stats, self._last_t = stats, now
         self._step_stage = dict.fromkeys(STAGES, 0.0)
         if self.guard is not None:
@@ -401,7 +414,7 @@ class Session:
                            "metrics": {k: float(v) for k, v in metrics.items()},
                            "primary": primary, "higher_is_better": bool(higher_is_better)}
         if self.writer is not None:
-            self.writer.write(self._last_eval)
+            self._record(self._last_eval)
 
     def finish(self, model: nn.Module | None = None, **extra: Any) -> None:
         """End the run: check that replicas agree, write the summary record (rank 0)."""
@@ -426,15 +439,22 @@ class Session:
                                         self.cfg.min_compress_bytes, api.config().partition_bytes,
                                         exact=self._exact, fusion_bytes=cap)
             rec["params"] = sum(p.numel() for _, p in self._named)
-        self.writer.write(rec)
+        self._record(rec)
+        self.close_tensorboard()
+
+    def close_tensorboard(self) -> None:
+        """Flush and close the TensorBoard event file (after the last record; idempotent)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def ended(self, status: str, reason: str) -> None:
         """Rank 0: record that the run stopped early with ``status`` (``interrupted`` or
         ``failed``) and why; the metrics so far stay on disk."""
         if self.writer is not None:
-            self.writer.write({"kind": "end", "run": self.cfg.name, "status": status,
-                               "reason": reason, "step": self.steps,
-                               "time_s": time.perf_counter() - self._t0})
+            self._record({"kind": "end", "run": self.cfg.name, "status": status,
+                          "reason": reason, "step": self.steps,
+                          "time_s": time.perf_counter() - self._t0})
+        self.close_tensorboard()
 
     def _replicas_identical(self, model: nn.Module) -> bool:
         """Gather a fingerprint of every worker's parameters (each worker fills its own slot
