@@ -1,4 +1,4 @@
-"""A Hugging Face ``transformers`` model trained with gradpress in a plain loop (docs/integrations.md).
+"""A Hugging Face ``transformers`` model trained with gradpress in a plain loop.
 
     torchrun --nproc-per-node 2 examples/hf_plain.py
     gradpress launch --workers 2 --colocate -- python examples/hf_plain.py
@@ -9,8 +9,9 @@ every Python; byte-level: ids 0..255 are bytes, 256 is end-of-text, so no tokeni
 The optimizer is ``gp.OneBitLANS``, gradpress's recommended optimizer for transformers: it
 averages exact gradients for ``--dense-steps`` steps, then communicates each worker's momentum
 compressed to one bit per element, both ways. The lines marked ``# gradpress`` are what a
-single-process script adds. With ``--out DIR`` every worker writes ``DIR/rank<r>.json``: its
-losses, a hash of its parameters (identical on every worker) and ``gp.stats()``.
+single-process script adds (docs/integrations.md). With ``--out DIR`` every worker writes
+``DIR/rank<r>.json``: its losses, a hash of its parameters (identical on every worker) and
+``gp.stats()``.
 """
 
 from __future__ import annotations

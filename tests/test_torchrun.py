@@ -47,13 +47,14 @@ def results(out: Path, workers: int) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def check_training(runs: list[dict], max_ratio: float) -> None:
-    """Replicas bit-identical, loss down, bytes well below fp32."""
+def check_training(runs: list[dict], max_ratio: float, loss_ratio: float = 0.8) -> None:
+    """Replicas bit-identical, loss down (the last 10 steps' mean below ``loss_ratio`` times
+    the first 10 steps'), bytes below ``max_ratio`` times fp32's."""
     assert len({r["param_hash"] for r in runs}) == 1, [r["param_hash"] for r in runs]
     for r in runs:
         losses = r["losses"]
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        assert last < 0.8 * first, (first, last)
+        assert last < loss_ratio * first, (first, last)
         s = r["stats"]
         assert 0 < s["bytes_pushed"] < max_ratio * s["dense_fp32_bytes"], s
 
