@@ -91,3 +91,25 @@ def test_gradpress_launch_runs_the_same_script(tmp_path: Path,
     runs = results(tmp_path, 2)
     check_training(runs, max_ratio=0.1)
     assert runs[0]["param_hash"] == colocated[0]["param_hash"]
+
+
+def test_torchrun_two_nodes_with_a_job_secret(tmp_path: Path, colocated: list[dict]) -> None:
+    # the multi-node command of docs/integrations.md, both "nodes" on this machine
+    port = str(free_port())
+    env = run_env(GRADPRESS_SECRET="a-secret-shared-by-every-node")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
+         "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+         str(SCRIPT), "--steps", str(STEPS), "--out", str(tmp_path)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    runs = results(tmp_path, 2)
+    check_training(runs, max_ratio=0.1)
+    assert runs[0]["param_hash"] == colocated[0]["param_hash"]
