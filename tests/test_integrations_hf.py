@@ -32,7 +32,7 @@ def plain_torchrun(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_hf_plain_under_torchrun(plain_torchrun: list[dict]) -> None:
     # 10 dense steps (bf16) then 30 one-bit steps: about a sixth of fp32's bytes in all;
     # the loss falls from ~5.1 (ln 257 = 5.55 is chance) to ~4.1 in 40 steps
-    check_training(plain_torchrun, max_ratio=0.35, loss_ratio=0.9)
+    check_training(plain_torchrun, max_ratio=0.25, loss_ratio=0.9)
 
 
 def test_hf_plain_under_gradpress_launch(tmp_path: Path, plain_torchrun: list[dict]) -> None:
@@ -42,7 +42,7 @@ def test_hf_plain_under_gradpress_launch(tmp_path: Path, plain_torchrun: list[di
                        timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     runs = results(tmp_path, 2)
-    check_training(runs, max_ratio=0.35, loss_ratio=0.9)
+    check_training(runs, max_ratio=0.25, loss_ratio=0.9)
     assert runs[0]["param_hash"] == plain_torchrun[0]["param_hash"]
 
 
