@@ -15,6 +15,7 @@ A second spawn: rank 1 corrupts a push or a reply (key, step, codec id, NaN); ev
 PayloadError naming sender, bucket and shard, none hangs, the bucket buffer is zeroed.
 """
 
+import copy
 import datetime
 import gc
 import os
@@ -59,6 +60,17 @@ class FakeBucket:
 
     def parameters(self) -> list[torch.Tensor]:
         return [self.param]
+
+
+class ShapedBucket(FakeBucket):
+    """A FakeBucket whose buffer holds parameters of the given shapes (its layout)."""
+
+    def __init__(self, index: int, shapes: list[tuple[int, ...]], last: bool) -> None:
+        super().__init__(index, sum(int(np.prod(s)) for s in shapes), last)
+        self.params = [torch.zeros(s) for s in shapes]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
 
 
 def grad(rank: int, index: int, step: int, numel: int) -> torch.Tensor:
@@ -151,6 +163,26 @@ def scenario_reference(rank: int, res: dict) -> None:
             resized, reference(spec, 0, 50, range(4, 5))[0])
 
 
+def scenario_relayout(rank: int, res: dict) -> None:
+    """A resumed process sees DDP's initial bucket (same elements, other parameter order) before
+    the rebuilt one the residuals were saved from: that iteration is averaged exactly, and the
+    residuals are loaded into the rebuilt bucket, which then continues as if never stopped."""
+    rebuilt = ShapedBucket(0, [(4, 3), (5,)], last=True)
+    initial = ShapedBucket(0, [(5,), (4, 3)], last=True)
+    live = TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0)
+    run_buckets(live, [rebuilt], rank, range(3))
+    saved = copy.deepcopy(live.state_dict())
+    expect = run_buckets(live, [rebuilt], rank, range(3, 4))[0][0]
+    resumed = TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0)
+    resumed.load_state_dict(saved)
+    first = run_buckets(resumed, [initial], rank, range(3, 4))[0][0]
+    exact = grad(0, 0, 3, 17) / WORLD + grad(1, 0, 3, 17) / WORLD
+    res["relayout_first_exact"] = torch.equal(first, exact)
+    res["relayout_allreduced"] = resumed.compression_stats()["allreduced_buckets"]
+    again = run_buckets(resumed, [rebuilt], rank, range(3, 4))[0][0]
+    res["relayout_equal"] = torch.equal(again, expect)
+
+
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -165,6 +197,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     res["params"], res["losses"] = train(rank, state, 40, lr=0.1)
     res["stats"], res["buckets"] = state.compression_stats(), len(state.state_dict()["buckets"])
     scenario_reference(rank, res)
+    scenario_relayout(rank, res)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     shutdown()
 
@@ -329,6 +362,12 @@ def test_pickled_state_resumes_identically(results):
     for res in results:
         assert all(res["resume_equal"].values()), res["resume_equal"]
         assert all(res["resume_nonzero"].values())
+
+
+def test_resume_into_ddps_initial_buckets_waits_for_the_saved_layout(results):
+    for res in results:
+        assert res["relayout_first_exact"] and res["relayout_allreduced"] == 1
+        assert res["relayout_equal"], "residuals not restored into the rebuilt bucket"
 
 
 def test_bucket_size_change_recreates_codecs(results):

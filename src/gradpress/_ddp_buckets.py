@@ -106,12 +106,22 @@ class BucketCodecs:
                                       device=self.acc.device)
         return self._stage[:n]
 
+    @property
+    def shapes(self) -> list[list[int]]:
+        """The shapes of the bucket's parameters, in bucket order (its layout across processes:
+        DDP's first buckets and its rebuilt ones can hold the same elements in another order)."""
+        return [list(shape) for shape, _ in self.layout[-1]]
+
     def state_dict(self) -> dict[str, Any]:
         return {"numel": self.numel, "world_size": self.world, "rank": self.rank,
-                "worker": [c.state_dict() for c in self.workers],
+                "shapes": self.shapes, "worker": [c.state_dict() for c in self.workers],
                 "server": self.server.state_dict()}
 
     def matches(self, saved: Mapping[str, Any]) -> bool:
+        """Whether ``saved`` (a :meth:`state_dict`) belongs to this layout: same size, world,
+        rank and (when saved, as every state since the shapes were added is) parameter shapes."""
+        if "shapes" in saved and [list(s) for s in saved["shapes"]] != self.shapes:
+            return False
         return (saved.get("numel"), saved.get("world_size"), saved.get("rank")) == \
             (self.numel, self.world, self.rank) and len(saved.get("worker", ())) == self.world
 

@@ -85,7 +85,7 @@ class TwoWayCompressionState:
 
     __slots__ = ("process_group", "_lr", "_spec", "_ef", "_min_compress_bytes",
                  "_dense_steps", "_seed", "_overlap", "iter", "_buckets", "_steps",
-                 "_loaded", "_inflight", "_stats", "_error")
+                 "_loaded", "_resumed_at", "_inflight", "_stats", "_error")
 
     def __init__(self, spec: str = "onebit", ef: str | EFSpec | None = "vanilla", *,
                  min_compress_bytes: int = 1 << 20, dense_steps: int = 0, seed: int = 0,
@@ -111,6 +111,7 @@ class TwoWayCompressionState:
         self._buckets: dict[int, BucketCodecs] = {}
         self._steps: dict[int, int] = {}
         self._loaded: dict[int, Mapping[str, Any]] = {}
+        self._resumed_at: int | None = None  # iter at load_state_dict, while buckets are pending
         self._inflight: BucketExchange | None = None
         # "Type: message" of the first failure; the hook then refuses. A description, not the
         # exception: its traceback's frames would keep the bucket (and through DDP's reducer the
@@ -172,7 +173,12 @@ class TwoWayCompressionState:
         """Restore :meth:`state_dict` output of the same rank.
 
         A bucket's residuals are applied to its codecs now, or when the bucket is first seen with
-        the saved size (DDP builds buckets at the first backward pass).
+        the saved layout (size and parameter shapes; DDP builds buckets at the first backward
+        pass). In a new process DDP's first iteration may use other buckets than the ones saved
+        (it rebuilds them in gradient order after that iteration): a bucket whose saved residuals
+        do not fit is then averaged exactly (fp32 allreduce) for that one iteration, and the
+        residuals are loaded at the next, into the rebuilt bucket they were saved from. Saved
+        residuals that still fit no bucket after that restart from zero, with a warning.
         """
         if not isinstance(state, Mapping) or set(state) != {"version", "iter", "steps", "buckets"}:
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
@@ -193,6 +199,7 @@ class TwoWayCompressionState:
                 codecs.load_state_dict(saved)
             else:
                 self._loaded[int(i)] = saved
+        self._resumed_at = self.iter if self._loaded else None
 
     def __getstate__(self) -> dict[str, Any]:
         """Hyperparameters and :meth:`state_dict`; the process group is dropped (not picklable)."""
@@ -223,10 +230,25 @@ class TwoWayCompressionState:
                      index, cur.numel, buf.numel())
         cur = self._buckets[index] = BucketCodecs(layout, buf.numel(), world, rank, self._build,
                                                   buf.device)
-        saved = self._loaded.get(index)
+        saved = self._loaded.pop(index, None)
         if saved is not None and cur.matches(saved):
-            cur.load_state_dict(self._loaded.pop(index))
+            cur.load_state_dict(saved)
+        elif saved is not None:
+            log.warning("gradpress DDP hook: the saved residuals of bucket %d (%s elements) do "
+                        "not fit its layout (%d elements, parameter shapes %s); they restart "
+                        "from zero", index, saved.get("numel"), cur.numel, cur.shapes)
         return cur
+
+    def _awaits_saved_layout(self, bucket: dist.GradBucket) -> bool:
+        """Whether this bucket should be averaged exactly this iteration because its saved
+        residuals belong to another layout of the same elements: in a resumed process DDP's
+        first iteration uses its initial buckets and rebuilds them afterwards into the layout
+        the residuals were saved with, where they are loaded (see :meth:`load_state_dict`)."""
+        saved = self._loaded.get(bucket.index())
+        if saved is None or self.iter != self._resumed_at:
+            return False
+        shapes = [list(p.shape) for p in bucket.parameters()]
+        return saved.get("shapes", shapes) != shapes
 
     def _launch(self, bucket: dist.GradBucket, group: Any) -> torch.futures.Future:
         """Steps 1-3: shard, compress every shard, start the payload exchange."""
@@ -394,7 +416,7 @@ def two_way_compression_hook(
     state._check_usable(bucket.index())
     try:
         state._drain()  # steps 4-5 of the previous bucket, before any new collective
-        if state.iter >= state.dense_steps \
+        if state.iter >= state.dense_steps and not state._awaits_saved_layout(bucket) \
                 and buf.numel() * 4 >= max(state.min_compress_bytes, 1):
             fut = state._launch(bucket, group)
             if bucket.is_last() or not state.overlap:
