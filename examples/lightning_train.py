@@ -47,8 +47,8 @@ class Regressor(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.5)}
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)}
 
 
 def data(n: int = 512) -> DataLoader:
