@@ -46,6 +46,10 @@ class Regressor(L.LightningModule):
         self.log("train_loss", loss, sync_dist=True)  # Lightning's all_reduce still works
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)}
@@ -88,6 +92,7 @@ def main() -> None:
                                                    save_top_k=-1, every_n_epochs=1)],
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, data(), ckpt_path=args.ckpt_path)
+    val = trainer.validate(model, data(128), verbose=False)  # after fit: same processes
     if args.out:
         state = getattr(strategy, "_ddp_comm_state", None)
         stats = strategy.compression_stats if hasattr(strategy, "compression_stats") \
@@ -96,7 +101,8 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"params_sha256": hashlib.sha256(blob).hexdigest(), "losses": model.losses,
-                       "stats": stats, "global_step": trainer.global_step}, f)
+                       "stats": stats, "global_step": trainer.global_step,
+                       "val_loss": val[0]["val_loss"]}, f)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def check_training(ranks: list[dict]) -> None:
     """Replicas identical, 16 steps, loss lower in epoch 2 than in epoch 1 (same batches)."""
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
     for r in ranks:
-        assert r["global_step"] == 16
+        assert r["global_step"] == 16 and r["val_loss"] > 0  # validate after fit ran
         first, second = r["losses"][:8], r["losses"][8:]
         assert sum(second) < sum(first), r["losses"]
 
@@ -86,6 +86,16 @@ def test_public_names_are_in_the_api_reference() -> None:
     text = (ROOT / "docs" / "reference" / "api.md").read_text()
     assert "## `gradpress.lightning`" in text
     assert not [n for n in gl.__all__ if not re.search(rf"(?<!\w){n}(?!\w)", text)]
+
+
+def test_doc_recipes_are_the_example_lines() -> None:
+    """The strategy lines shown in docs/integrations.md are the ones the tests run."""
+    doc = (ROOT / "docs" / "integrations.md").read_text()
+    example = EXAMPLE.read_text()
+    for line in ("strategy=TwoWayCompressionStrategy(find_unused_parameters=True)",
+                 'strategy=ParameterServerStrategy(compression="onebit", ef="vanilla")'):
+        assert line in doc
+        assert line.split("=", 1)[1] in example
 
 
 def test_strategy_defaults_and_arguments() -> None:
