@@ -91,7 +91,7 @@ def main() -> None:
                         callbacks=[ModelCheckpoint(dirpath=os.path.join(args.root, "ckpt"),
                                                    save_top_k=-1, every_n_epochs=1)],
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, data(), ckpt_path=args.ckpt_path)
+    trainer.fit(model, data(), data(128), ckpt_path=args.ckpt_path)
     val = trainer.validate(model, data(128), verbose=False)  # after fit: same processes
     if args.out:
         state = getattr(strategy, "_ddp_comm_state", None)
@@ -102,7 +102,8 @@ def main() -> None:
         with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"params_sha256": hashlib.sha256(blob).hexdigest(), "losses": model.losses,
                        "stats": stats, "global_step": trainer.global_step,
-                       "val_loss": val[0]["val_loss"]}, f)
+                       "val_loss": val[0]["val_loss"],
+                       "lr": trainer.optimizers[0].param_groups[0]["lr"]}, f)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def check_training(ranks: list[dict]) -> None:
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]
     for r in ranks:
         assert r["global_step"] == 16 and r["val_loss"] > 0  # validate after fit ran
+        assert r["lr"] == pytest.approx(0.05 * 0.7 ** 2)  # the LR scheduler stepped it
         first, second = r["losses"][:8], r["losses"][8:]
         assert sum(second) < sum(first), r["losses"]
 
