@@ -116,6 +116,18 @@ def test_strategy_defaults_and_arguments() -> None:
         ParameterServerStrategy(ddp_comm_hook=two_way_compression_hook)
 
 
+def test_checkpoint_entry_is_checked(caplog: pytest.LogCaptureFixture) -> None:
+    from gradpress.lightning import CHECKPOINT_KEY, _saved_entry
+
+    assert _saved_entry({}, "parameter_server", 2) is None  # plain checkpoint: from zero
+    assert "no 'gradpress' entry" in caplog.text
+    entry = {"strategy": "two_way_hook", "world_size": 2, "ranks": [{}, {}]}
+    assert _saved_entry({CHECKPOINT_KEY: entry}, "two_way_hook", 2) is entry
+    for kind, world in (("parameter_server", 2), ("two_way_hook", 4)):
+        with pytest.raises(ValueError, match="resume with the same strategy and number"):
+            _saved_entry({CHECKPOINT_KEY: entry}, kind, world)
+
+
 @pytest.mark.timeout(300)
 def test_lightning_ddp_strategy_never_calls_the_hook_on_cpu(tmp_path: Path) -> None:
     ranks = run_example(tmp_path, "ddp-hook", "--epochs", "1")
