@@ -179,6 +179,45 @@ def test_parameter_server_strategy(tmp_path: Path) -> None:
     assert [r["params_sha256"] for r in resumed] == [r["params_sha256"] for r in ranks]
 
 
+ACCUMULATE = """
+import hashlib, sys
+sys.path.insert(0, {examples!r})
+import lightning as L, torch
+from lightning_train import Regressor, data
+from gradpress.lightning import ParameterServerStrategy
+torch.set_num_threads(1)
+L.seed_everything(0)
+model, strategy = Regressor(), ParameterServerStrategy()
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1,
+                    accumulate_grad_batches=3, gradient_clip_val=0.5, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(model, data())
+blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print("RESULT", trainer.global_rank, trainer.global_step, hashlib.sha256(blob).hexdigest(),
+      strategy.compression_stats["steps"], flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_parameter_server_strategy_accumulates_and_clips(tmp_path: Path) -> None:
+    """accumulate_grad_batches=3 over 8 batches: optimizer steps after batches 3, 6 and 8 (epoch
+    end), one push_pull per tensor key each; clipping sees the averaged gradients."""
+    script = tmp_path / "acc.py"
+    script.write_text(ACCUMULATE.format(examples=str(EXAMPLE.parent)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in _JOB_VARS and not k.startswith(("GRADPRESS_", "SLURM_", "TORCHELASTIC"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = sorted(line.split()[1:] for line in proc.stdout.splitlines()
+                  if line.startswith("RESULT"))
+    assert [r[0] for r in rows] == ["0", "1"], proc.stdout
+    assert rows[0][1:] == rows[1][1:]  # same steps, same parameters, same push_pulls
+    assert rows[0][1] == "3" and rows[0][3] == "6"  # 3 steps x (the 1 MiB weight + 1 fused key)
+
+
 def _tensors(obj: object) -> list[torch.Tensor]:
     """Every floating tensor inside nested dicts and lists."""
     if isinstance(obj, torch.Tensor):
