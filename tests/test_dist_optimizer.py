@@ -173,6 +173,26 @@ WORKER = textwrap.dedent('''
     m, _ = train("momx", 4, sgd, compression="onebit", ef="vanilla", momentum="nesterov",
                  mu=0.9, min_compress_bytes=0, uncompressed_params=["momx.*"])
     res["exact_momentum"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    # 9. an LR scheduler built before the wrapper, and a closure doing forward and backward:
+    # both still average (the exact path equals scenario 1)
+    model = net(3)
+    base = sgd(model)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=100)
+    opt = gp.DistributedOptimizer(base, named_parameters=[
+        (f"sch.{n}", p) for n, p in model.named_parameters()], compression="none")
+    gp.broadcast_parameters({f"sch.{n}": p for n, p in model.state_dict().items()})
+    losses = []
+    for step in range(4):
+        def closure():
+            opt.zero_grad()
+            x, y = data(step, r)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        losses.append(float(opt.step(closure)))
+        sched.step()
+    res["closure_loss_ok"] = torch.tensor(all(v > 0 for v in losses))  # step returned the loss
+    res["sched_closure"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
 ''')
@@ -242,6 +262,8 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert w0["amp_skipped"].tolist() == [False, True, False]
     assert float(w0["amp_scale"]) < 2.0 ** 8  # the scaler saw the overflow and backed off
     assert torch.equal(w0["warmup_all"], w0["none"])  # 4 warm-up steps of 4: exact
+    assert torch.equal(w0["sched_closure"], w0["none"])  # scheduler first, closure: averaged
+    assert bool(w0["closure_loss_ok"])
     assert not torch.equal(w0["warmup_half"], w0["none"])  # compressed from step 2
 
 

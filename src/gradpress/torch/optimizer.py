@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -106,7 +107,11 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     methods = {k: v for k, v in vars(_Distributed).items() if k not in ("__dict__", "__weakref__")}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     obj = cls.__new__(cls)
-    obj.__dict__.update(optimizer.__dict__)  # keep hyperparameters, state and param groups
+    # keep hyperparameters, state and param groups; not an instance attribute that shadows a
+    # method (an LR scheduler built first patches ``optimizer.step`` on the instance: copied, it
+    # would step the unwrapped optimizer and never average)
+    obj.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                         if not (callable(v) and hasattr(cls, k))})
     if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
         raise ValueError(f"dense_steps must be an int >= 0, got {dense_steps!r}")
     obj._gp_init(named_parameters, compression, ef, momentum, mu, min_compress_bytes,
@@ -116,6 +121,10 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     if dense_steps == 0 and not hasattr(obj, "compression_active"):
         obj._gp_meter = None  # "auto" without a dense phase: nothing to measure, all compressed
     return obj
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _in_place(grad: torch.Tensor) -> torch.Tensor | None:
@@ -279,7 +288,16 @@ class _Distributed:
             self._gp_skip_sync = False
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronize (unless inside :meth:`skip_synchronize`) and step the wrapped optimizer."""
+        """Synchronize (unless inside :meth:`skip_synchronize`) and step the wrapped optimizer.
+
+        A ``closure`` (forward and backward, as Lightning and LBFGS-style loops pass) runs once,
+        before the gradients are averaged; the wrapped optimizer gets its loss back from a
+        closure that does not recompute (an optimizer that re-evaluates the closure several
+        times per step sees the first evaluation each time). Returns the closure's loss."""
+        if closure is not None and not self._gp_skip_sync:
+            with torch.enable_grad():
+                loss = closure()
+            closure = functools.partial(_same, loss)
         if not self._gp_skip_sync:
             self.synchronize()
         self._gp_steps += 1
