@@ -61,9 +61,9 @@ class TwoWayCompressionState:
        copy of the gradients (plus a scratch) on every rank, and 1/world_size of that on the
        server side.
     3. ``min_compress_bytes`` (default 1 MiB): buckets whose fp32 size is below it are averaged
-       with a plain allreduce, and shards below it travel as fp32. Small tensors gain little from
-       compression and pay its per-call cost; raise it if compression time shows up in profiles,
-       lower it (0 compresses everything) if the network is the bottleneck.
+       with a plain allreduce; every shard of a larger bucket is compressed. Small tensors gain
+       little from compression and pay its per-call cost; raise it if compression time shows up
+       in profiles, lower it (0 compresses everything) if the network is the bottleneck.
     4. ``dense_steps`` (default 0): iterations averaged with a plain allreduce before
        compression starts. A few hundred uncompressed opening steps (as 1-bit Adam does) help
        adaptive optimizers; set it to at least the learning-rate warm-up length when accuracy
@@ -146,8 +146,8 @@ class TwoWayCompressionState:
                 f"buckets={len(self._buckets)})")
 
     def _build(self, numel: int) -> Codec:
-        if numel * 4 < self._min_compress_bytes:
-            return build("none", numel)
+        """A shard's codec: every shard of a compressed bucket uses the spec (the size rule is
+        the bucket's: fp32 shards with headers would cost more than a plain allreduce)."""
         return build(self._spec, numel, ef=self._ef, seed=self._seed)
 
     def _group(self) -> Any:
