@@ -108,7 +108,8 @@ def run_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                            "status": status, "steps": len(steps)}
     start = next((dict(r) for r in records if r.get("kind") == "start"), None)
     for src in (start, summary):
-        for k in ("config", "hparams", "workers", "params", "setup_s", "replicas_identical"):
+        for k in ("config", "hparams", "workers", "params", "setup_s", "replicas_identical",
+                  "params_sha256"):
             if src is not None and k in src:
                 rep[k] = src[k]
     rep["wall_s"] = summary["wall_s"] if summary else max(
