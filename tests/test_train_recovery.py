@@ -4,8 +4,9 @@ In-process: checksums refuse truncated and corrupt files (naming the file and bo
 ``--resume auto`` skips a refused checkpoint, pruning, metrics trimming, options. Real local
 clusters (digits-cnn, onebit with error feedback, 1 server, 40 steps, a checkpoint every 20):
 one uninterrupted run gives the reference ``params_sha256``; a run resumed from its step-20
-checkpoint, a ``--resume auto`` that must fall back past a corrupt step-40 checkpoint, and a run
-whose worker is SIGKILLed mid-run under ``--max-restarts 1`` all end bit-identical to it.
+checkpoint, a ``--resume auto`` that must fall back past a corrupt step-40 checkpoint, and runs
+under ``--max-restarts 1`` whose worker or server is SIGKILLed, or whose worker hangs (SIGSTOP,
+noticed by the others' 15 s timeout), after step 22, all end bit-identical to it.
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ def test_auto_resume_falls_back_past_a_corrupt_checkpoint(reference: Path,
     assert rep["steps"] == STEPS  # metrics cut back to step 20, then steps 21-40 again
 
 
-def _worker_pid(marker: str, rank: int) -> int | None:
+def _pid(marker: str, role: str, rank: int | None = None) -> int | None:
+    """The PID of the job's process with this role (and ``RANK``), from ``/proc``."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -225,18 +227,34 @@ def _worker_pid(marker: str, rank: int) -> int | None:
             env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (f"GP_TEST_MARKER={marker}".encode() in env and b"GRADPRESS_ROLE=worker" in env
-                and f"RANK={rank}".encode() in env):
+        if (f"GP_TEST_MARKER={marker}".encode() in env
+                and f"GRADPRESS_ROLE={role}".encode() in env
+                and (rank is None or f"RANK={rank}".encode() in env)):
             return int(entry)
     return None
 
 
+def _starts(out: Path) -> int:
+    return sum(r["kind"] == "start" for r in read_metrics(out / "metrics.jsonl"))
+
+
+# (role, rank, signal, GRADPRESS_TIMEOUT): a hung (stopped) worker is noticed by the others'
+# waits timing out, so that case runs with a short timeout
+FAILURES = {"worker-killed": ("worker", 1, signal.SIGKILL, None),
+            "server-killed": ("server", None, signal.SIGKILL, None),
+            "worker-hangs": ("worker", 1, signal.SIGSTOP, "15")}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
-def test_sigkilled_worker_restarts_bit_identical(reference: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
+                                           failure: str) -> None:
+    role, rank, sig, timeout = FAILURES[failure]
     out, marker = tmp_path / "run", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "gradpress.cli", "train", *RUN, "--out", str(out),
            "--max-restarts", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GP_TEST_MARKER=marker)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GP_TEST_MARKER=marker,
+               **({"GRADPRESS_TIMEOUT": timeout} if timeout else {}))
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, start_new_session=True)
     try:
@@ -245,26 +263,26 @@ def test_sigkilled_worker_restarts_bit_identical(reference: Path, tmp_path: Path
             assert p.poll() is None, p.communicate()
             assert time.monotonic() < deadline, "no step past the checkpoint within 180 s"
             time.sleep(0.01)
-        pid = _worker_pid(marker, 1)
+        pid = _pid(marker, role, rank)
         assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        killed_at, killed_step = time.monotonic(), last_step(out / "metrics.jsonl")
-        while sum(r["kind"] == "start" for r in read_metrics(out / "metrics.jsonl")) < 2:
+        os.kill(pid, sig)
+        failed_at, failed_step = time.monotonic(), last_step(out / "metrics.jsonl")
+        while _starts(out) < 2:  # the restarted job's rank 0 writes its start record
             assert p.poll() is None or p.returncode == 0, p.communicate()
             assert time.monotonic() < deadline, "no restart within 180 s"
             time.sleep(0.05)
-        recovery_s = time.monotonic() - killed_at
+        recovery_s = time.monotonic() - failed_at
         stdout, stderr = p.communicate(timeout=180)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "restart 1 of 1" in stdout
+    assert "restart 1 of 1" in stdout and "step-20" in stdout
     rep = _report(out)
     assert rep["params_sha256"] == _report(reference)["params_sha256"]
     assert rep["status"] == "completed" and rep["steps"] == STEPS
     assert rep["restarts"]["count"] == 1
     assert 0 < rep["restarts"]["steps_redone"] <= STEPS - EVERY
-    assert killed_step >= EVERY
-    print(f"recovery (SIGKILL to the resumed job's first record): {recovery_s:.1f} s")
-    assert recovery_s < 30
+    assert failed_step >= EVERY
+    print(f"{failure}: recovery (failure to the restarted job's start) {recovery_s:.1f} s")
+    assert recovery_s < 30 + (float(timeout) if timeout else 0.0)
