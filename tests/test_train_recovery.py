@@ -34,7 +34,7 @@ from gradpress.train.checkpoints import (
     resolve_resume,
 )
 from gradpress.train.report import read_metrics
-from gradpress.train.restarts import last_step, trim_metrics
+from gradpress.train.restarts import last_step, start_from, trim_metrics
 
 STEPS, EVERY = 40, 20
 RUN = ("--task", "digits-cnn", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
@@ -141,6 +141,16 @@ def test_trim_metrics_keeps_what_precedes_the_checkpoint(tmp_path: Path) -> None
     kept = read_metrics(path)
     assert [r.get("step") for r in kept if r["kind"] == "step"] == [1, 2, 3, 4, 5]
     assert {r["kind"] for r in kept} == {"start", "step", "eval", "plan"}
+
+
+def test_start_from_removes_later_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (4, 8, 12):
+        _fake_checkpoint(root / f"step-{step}", step, FILES)
+    assert start_from(tmp_path, str(root / "step-8")) == 8  # the run from 8 on is redone
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-8"]
+    assert start_from(tmp_path, None) == 0  # a fresh run: an earlier run's are no use
+    assert list(root.iterdir()) == []
 
 
 def test_params_sha256_is_bitwise() -> None:

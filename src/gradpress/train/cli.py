@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import checkpoint_step, resolve_resume
+from .checkpoints import resolve_resume
 from .config import TrainConfig
 from .options import add_arguments, from_namespace
 from .report import (
@@ -32,7 +32,7 @@ from .report import (
     run_report,
     write_json,
 )
-from .restarts import INTERRUPTED, run_with_restarts, trim_metrics
+from .restarts import INTERRUPTED, run_with_restarts, start_from
 from .session import CONFIG_ENV
 from .slowlink import check_bandwidth, launch_limited, link_budget
 from .tensorboard import SUBDIR as TB_SUBDIR
@@ -181,8 +181,9 @@ def run_train(args: argparse.Namespace) -> int:
     resume = resolve_resume(cfg.resume, Path(cfg.out).expanduser())
     out = prepare_out_dir(cfg.out, resuming=resume is not None)
     cfg = cfg.replace(out=str(out), tensorboard=tensorboard, resume=resume)
+    if cfg.resume is not None or cfg.checkpoint_every or cfg.max_restarts:
+        start_from(out, resume)  # a fresh run: no checkpoints of an earlier one to resume from
     if cfg.resume is not None:
-        trim_metrics(out / "metrics.jsonl", checkpoint_step(resume))
         print(f"gradpress train: resuming from {resume}", flush=True)
     if tensorboard:
         print(f"gradpress train: TensorBoard scalars in {out / TB_SUBDIR} (tensorboard --logdir "

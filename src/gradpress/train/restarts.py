@@ -6,7 +6,8 @@ a hung process makes the others' waits time out, which ends the job the same way
 
 1. finds the newest complete checkpoint whose checksums match under ``OUT/checkpoints``
    (:func:`gradpress.train.checkpoints.latest_valid`; none: the start of the run);
-2. cuts ``metrics.jsonl`` back to that step (the steps after it are redone);
+2. cuts the run directory back to that step (:func:`start_from`: the steps after it are
+   redone);
 3. launches the whole job again with ``resume`` set to that checkpoint,
 
 at most ``max_restarts`` times; an interrupted job (Ctrl-C: exit 130 or 143) is not restarted.
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import checkpoint_step, resolve_resume
+from .checkpoints import SUBDIR, checkpoint_step, checkpoints, resolve_resume
 from .config import TrainConfig
 
-__all__ = ["INTERRUPTED", "trim_metrics", "last_step", "run_with_restarts"]
+__all__ = ["INTERRUPTED", "trim_metrics", "last_step", "start_from", "run_with_restarts"]
 
 #: Exit statuses of a job stopped by SIGINT or SIGTERM: never restarted.
 INTERRUPTED = (130, 143)
@@ -62,6 +64,25 @@ def trim_metrics(metrics: str | Path, step: int) -> None:
     os.replace(tmp, path)
 
 
+def start_from(out: str | Path, resume: str | None) -> int:
+    """Cut run directory ``out`` back to checkpoint ``resume`` (None: the start of the run);
+    returns its step.
+
+    Steps:
+
+    1. ``metrics.jsonl`` keeps the records up to the step (:func:`trim_metrics`);
+    2. the checkpoints of later steps under ``OUT/checkpoints`` are removed (they belong to the
+       run being redone, or to an earlier run in the same directory), each named on stdout.
+    """
+    step = checkpoint_step(resume) if resume is not None else 0
+    trim_metrics(Path(out) / "metrics.jsonl", step)  # step 1
+    for later, d in checkpoints(Path(out) / SUBDIR):  # step 2
+        if later > step and (resume is None or d.resolve() != Path(resume).resolve()):
+            print(f"gradpress train: removing checkpoint {d} (after step {step})", flush=True)
+            shutil.rmtree(d, ignore_errors=True)
+    return step
+
+
 def run_with_restarts(cfg: TrainConfig, launch: Callable[[TrainConfig], int]
                       ) -> tuple[int, dict[str, Any]]:
     """Run ``launch(cfg)``; after a failure restart from the newest valid checkpoint (steps
@@ -73,8 +94,7 @@ def run_with_restarts(cfg: TrainConfig, launch: Callable[[TrainConfig], int]
     while code != 0 and code not in INTERRUPTED and info["count"] < cfg.max_restarts:
         reached = last_step(metrics)
         resume = resolve_resume("auto", cfg.out)  # step 1
-        start = checkpoint_step(resume) if resume is not None else 0
-        trim_metrics(metrics, start)  # step 2
+        start = start_from(cfg.out, resume)  # step 2
         info["count"] += 1
         info["steps_redone"] += max(0, reached - start)
         print(f"gradpress train: the job failed (exit status {code}) at step {reached}; restart "
