@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -44,12 +45,48 @@ from . import api
 from .ps.checkpointing import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
 from .torch.broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["save", "load", "extra", "resume_dir", "verify", "file_sha256"]
+__all__ = ["save", "load", "extra", "resume_dir", "checkpoints_dir", "latest", "verify",
+           "file_sha256"]
+
+
+log = logging.getLogger(__name__)
 
 
 def resume_dir() -> str | None:
-    """The directory given to ``gradpress launch --resume`` (``GRADPRESS_RESUME``), or None."""
+    """The directory given to ``gradpress launch --resume`` (``GRADPRESS_RESUME``), or None.
+    Under ``gradpress launch --max-restarts``, a restarted job gets the newest valid checkpoint
+    of ``--checkpoints`` here."""
     return os.environ.get("GRADPRESS_RESUME") or None
+
+
+def checkpoints_dir() -> str | None:
+    """The directory given to ``gradpress launch --checkpoints`` (``GRADPRESS_CHECKPOINTS``),
+    under which the script saves each checkpoint in a subdirectory of its own, or None."""
+    return os.environ.get("GRADPRESS_CHECKPOINTS") or None
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest (by saved step) complete checkpoint among the subdirectories of ``root``
+    whose files match their checksums; each refused one is logged as a warning and skipped
+    (a directory without ``meta.json`` silently: a save that did not finish). None if none.
+    Needs no running job."""
+    found = []
+    for d in Path(root).iterdir() if Path(root).is_dir() else ():
+        try:
+            meta = read_meta(d) if d.is_dir() else None
+        except ValueError as e:
+            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
+            continue
+        if meta is not None:
+            found.append((int(meta.get("step", 0)), d))
+    for _, d in sorted(found, reverse=True):
+        try:
+            verify(d)
+        except ValueError as e:
+            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
+            continue
+        return str(d.resolve())
+    return None
 
 
 def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
