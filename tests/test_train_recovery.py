@@ -296,3 +296,22 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
     assert failed_step >= EVERY
     print(f"{failure}: recovery (failure to the restarted job's start) {recovery_s:.1f} s")
     assert recovery_s < 30 + (float(timeout) if timeout else 0.0)
+
+
+def test_onebit_lans_resume_keeps_each_workers_optimizer_state(tmp_path: Path) -> None:
+    """OneBitLANS keeps a second moment per worker (``per_worker_state``): each worker's own
+    optimizer state must come back, not worker 0's broadcast."""
+    run = [*RUN, "--optimizer", "onebit-lans", "--steps", "8", "--checkpoint-every", "4"]
+
+    def train(out: Path, *extra: str) -> dict:
+        cmd = [sys.executable, "-m", "gradpress.cli", "train", *run, "--out", str(out), *extra]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return _report(out)
+
+    full = train(tmp_path / "full")
+    ckpt = shutil.copytree(tmp_path / "full" / "checkpoints" / "step-4", tmp_path / "ckpt")
+    assert json.loads((ckpt / "meta.json").read_text())["per_worker_optimizer"] is True
+    assert train(tmp_path / "res", "--resume", str(ckpt))["params_sha256"] == \
+        full["params_sha256"]

@@ -6,7 +6,8 @@ Layout of a checkpoint directory::
     meta.json        format, step, world sizes, compression spec, save tag, the sha256 of
                      every file below (written last, atomically)
     worker<r>.pt     per worker: its codec state, RNG state and ``extra``; worker 0 also holds
-                     the model and the wrapped optimizer's state (replicas are identical)
+                     the model and the wrapped optimizer's state (replicas are identical;
+                     every worker holds its own if the optimizer's ``per_worker_state``)
     server<i>.pt     per server: residuals and step counters of its keys
 
 Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADPRESS_RESUME``)::
@@ -99,7 +100,9 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
        ``meta.json``;
     2. every worker writes ``worker<rank>.pt`` atomically (temporary file, then rename):
        its codec state (every tensor it push_pulled), RNG state and ``extra``; worker 0 adds
-       the model and the optimizer's state (without the per-worker codec part);
+       the model and the optimizer's state (without the per-worker codec part); every worker
+       adds its own optimizer state when it differs between workers (an optimizer class with
+       ``per_worker_state = True``, such as :class:`gradpress.optim.OneBitLANS`);
     3. every server writes ``server<i>.pt`` (:func:`gradpress.save_server_state`);
     4. after a barrier, the first worker of each node writes ``meta.json`` (step, world sizes,
        spec, tag, the sha256 of every worker and server file it sees), atomically: a directory
@@ -121,8 +124,10 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
     blob: dict[str, Any] = {"format": FORMAT, "tag": tag, "step": step, "rank": rank,
                             "engine": api.worker_state_dict(), "rng": _rng_state(),
                             "extra": extra}
+    per_worker = _per_worker(optimizer)
     if rank == 0:
         blob["model"] = model.state_dict()
+    if rank == 0 or per_worker:
         blob["optimizer"] = _inner_state(optimizer)
     atomic_save(blob, worker_file(path, rank))  # step 2
     rt.worker.checkpoint.server_state("save", str(path), tag)  # step 3
@@ -132,6 +137,7 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
         meta = {"format": FORMAT, "tag": tag, "step": step, "num_workers": lay.num_workers,
                 "num_servers": lay.num_servers, "colocate": lay.colocate, "nnodes": lay.nnodes,
                 "hierarchical": lay.hierarchical, "spec": _spec(optimizer),
+                "per_worker_optimizer": per_worker,
                 "files": _checksums(path, lay.num_workers, lay.num_servers)}
         _write_json(path / META_FILE, meta)
     api.barrier()
@@ -147,7 +153,8 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
     1. read ``meta.json``, check the world sizes (ValueError naming both otherwise) and the
        checksums of this worker's file and of the server files (:func:`verify`);
     2. worker 0 loads the model and the optimizer state and broadcasts both to every worker
-       (the per-worker codec state is not broadcast);
+       (the per-worker codec state is not broadcast; a per-worker optimizer state is loaded
+       by each worker from its own file instead);
     3. every worker restores its own codec state and RNG state from ``worker<rank>.pt``;
     4. every server restores its keys (:func:`gradpress.load_server_state`).
 
@@ -163,11 +170,14 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
     if blob.get("tag") != meta["tag"]:
         raise ValueError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
                          f"{blob.get('tag')!r}, meta.json has {meta['tag']!r})")
+    per_worker = bool(meta.get("per_worker_optimizer"))
     if rank == 0:  # step 2
         model.load_state_dict(blob["model"])
+    if rank == 0 or per_worker:
         optimizer.load_state_dict(blob["optimizer"])
     broadcast_parameters(model.state_dict(), root_rank=0)
-    broadcast_optimizer_state(optimizer, root_rank=0)
+    if not per_worker:
+        broadcast_optimizer_state(optimizer, root_rank=0)
     api.load_worker_state_dict(blob["engine"])  # step 3
     _set_rng_state(blob["rng"])
     rt.worker.checkpoint.server_state("load", str(path), meta["tag"])  # step 4
@@ -253,6 +263,11 @@ def _inner_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     state = optimizer.state_dict()
     state.pop("gradpress", None)
     return state
+
+
+def _per_worker(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether each worker's optimizer state differs (``per_worker_state`` of its class)."""
+    return bool(getattr(optimizer, "per_worker_state", False))
 
 
 def _spec(optimizer: torch.optim.Optimizer) -> str | None:
