@@ -111,6 +111,8 @@ def test_auto_resume_skips_refused_and_incomplete_checkpoints(
     assert resolve_resume("auto", tmp_path / "empty") is None  # nothing yet: from the start
     with pytest.raises(ValueError, match="worker0.pt is corrupt"):
         resolve_resume(str(bad), tmp_path / "out")
+    with pytest.raises(ValueError, match="2 workers and 1 servers, this run has 4 workers"):
+        resolve_resume("auto", tmp_path / "out", (4, 1))
 
 
 def test_prune_keeps_the_newest_two_complete(tmp_path: Path) -> None:

@@ -79,19 +79,30 @@ def latest_valid(root: str | Path) -> Path | None:
     return None
 
 
-def resolve_resume(value: str | None, out: str | Path) -> str | None:
+def resolve_resume(value: str | None, out: str | Path,
+                   world: tuple[int, int] | None = None) -> str | None:
     """The checkpoint directory ``--resume`` names: ``auto`` is the newest valid one under
     ``OUT/checkpoints`` (None when there is none: start afresh); a directory is verified
-    (ValueError naming the file and checksums if it is refused)."""
+    (ValueError naming the file and checksums if it is refused). With ``world`` (workers,
+    servers), a checkpoint of other world sizes is a ValueError naming both."""
     from ..checkpoint import verify
+    from ..ps.checkpointing import read_meta
 
     if value is None:
         return None
     if value == "auto":
         found = latest_valid(Path(out) / SUBDIR)
-        return None if found is None else str(found.resolve())
-    verify(value)
-    return str(Path(value).resolve())
+        if found is None:
+            return None
+        meta, path = read_meta(found) or {}, found  # verified by latest_valid
+    else:
+        meta, path = verify(value), Path(value)
+    saved = (meta.get("num_workers"), meta.get("num_servers"))
+    if world is not None and saved != tuple(world):
+        raise ValueError(f"--resume {value}: checkpoint {path} was saved by a job with "
+                         f"{saved[0]} workers and {saved[1]} servers, this run has {world[0]} "
+                         f"workers and {world[1]} servers")
+    return str(path.resolve())
 
 
 def checkpoint_step(directory: str | Path) -> int:

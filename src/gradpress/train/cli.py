@@ -178,7 +178,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     tensorboard = resolve_tensorboard(cfg.tensorboard)  # --tensorboard without it: an error
     _check_param_names(cfg)
-    resume = resolve_resume(cfg.resume, Path(cfg.out).expanduser())
+    resume = resolve_resume(cfg.resume, Path(cfg.out).expanduser(), (cfg.workers, cfg.servers))
     out = prepare_out_dir(cfg.out, resuming=resume is not None)
     cfg = cfg.replace(out=str(out), tensorboard=tensorboard, resume=resume)
     if cfg.resume is not None or cfg.checkpoint_every or cfg.max_restarts:
