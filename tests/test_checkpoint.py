@@ -123,6 +123,8 @@ WORKER = textwrap.dedent('''
         for cfg, (m, opt) in runs.items():
             train(m, opt, range(N, N + M))
             res[f"resume.{cfg}"] = flat(m)
+        # saved again: the loaded keys not pushed since (the ref.* runs') are still state
+        ck.save(f"{out}/ck-again", *runs["onebit"], N + M)
         # worker and server state round trip through save/load
         kw = dict(compression="onebit", ef="corrected", lr=0.1, min_compress_bytes=0)
         xs = [torch.randn(300, generator=torch.Generator().manual_seed(10 * i + r))
@@ -165,6 +167,11 @@ def _launch(tmp_path: Path, mode: str, args: list[str]) -> list[dict]:
     return [torch.load(tmp_path / f"{mode}{w}.pt", weights_only=False) for w in range(2)]
 
 
+def server_keys(directory: Path) -> set[str]:
+    return {name for i in range(2) for name in torch.load(
+        directory / f"server{i}.pt", weights_only=True)["keys"]}
+
+
 def meta_sha(directory: Path, name: str) -> str:
     return json.loads((directory / "meta.json").read_text())["files"][name]
 
@@ -197,6 +204,8 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
             assert torch.equal(first[w][f"cont.{cfg}"], first[w][f"ref.{cfg}"]), cfg
         assert "3 workers" in res["mismatch"] and "2 workers" in res["mismatch"]
         assert "server1.pt is corrupt or truncated" in res["corrupt"]
+        assert "ref.topk.0.weight" in server_keys(tmp_path / "ck-onebit")  # never pushed again
+        assert server_keys(tmp_path / "ck-onebit") <= server_keys(tmp_path / "ck-again")
         assert meta_sha(corrupt, "server1.pt") in res["corrupt"]  # the expected checksum
         assert res["roundtrip"]
         assert "'shape'" in res["shape"] and "numel" in res["shape"]
