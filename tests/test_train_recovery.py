@@ -6,7 +6,8 @@ clusters (digits-cnn, onebit with error feedback, 1 server, 40 steps, a checkpoi
 one uninterrupted run gives the reference ``params_sha256``; a run resumed from its step-20
 checkpoint, a ``--resume auto`` that must fall back past a corrupt step-40 checkpoint, and runs
 under ``--max-restarts 1`` whose worker or server is SIGKILLed, or whose worker hangs (SIGSTOP,
-noticed by the others' 15 s timeout), after step 22, all end bit-identical to it.
+noticed by the others' 15 s timeout), after step 22, or whose rank 0 is SIGKILLed at step 3
+(before any checkpoint: a restart from the start), all end bit-identical to it.
 """
 
 from __future__ import annotations
@@ -250,11 +251,23 @@ def _starts(out: Path) -> int:
     return sum(r["kind"] == "start" for r in read_metrics(out / "metrics.jsonl"))
 
 
+def _restarted(out: Path, marker: str, role: str, rank: int | None, pid: int,
+               early: bool) -> bool:
+    """Whether the restarted job is up: its rank 0 appended a start record to metrics.jsonl
+    (a restart from the start writes a fresh file: then, a new process in the failed one's
+    place)."""
+    if early:
+        return _pid(marker, role, rank) not in (None, pid)
+    return _starts(out) >= 2
+
+
 # (role, rank, signal, GRADPRESS_TIMEOUT): a hung (stopped) worker is noticed by the others'
-# waits timing out, so that case runs with a short timeout
+# waits timing out, so that case runs with a short timeout; the last case fails at step 3,
+# before the first checkpoint, and restarts from the start
 FAILURES = {"worker-killed": ("worker", 1, signal.SIGKILL, None),
             "server-killed": ("server", None, signal.SIGKILL, None),
-            "worker-hangs": ("worker", 1, signal.SIGSTOP, "15")}
+            "worker-hangs": ("worker", 1, signal.SIGSTOP, "15"),
+            "before-any-checkpoint": ("worker", 0, signal.SIGKILL, None)}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
@@ -271,7 +284,8 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
                          text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while last_step(out / "metrics.jsonl") < EVERY + 2:  # past the step-20 checkpoint
+        early = failure == "before-any-checkpoint"
+        while last_step(out / "metrics.jsonl") < (3 if early else EVERY + 2):
             assert p.poll() is None, p.communicate()
             assert time.monotonic() < deadline, "no step past the checkpoint within 180 s"
             time.sleep(0.01)
@@ -279,7 +293,7 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
         assert pid is not None
         os.kill(pid, sig)
         failed_at, failed_step = time.monotonic(), last_step(out / "metrics.jsonl")
-        while _starts(out) < 2:  # the restarted job's rank 0 writes its start record
+        while not _restarted(out, marker, role, rank, pid, early):
             assert p.poll() is None or p.returncode == 0, p.communicate()
             assert time.monotonic() < deadline, "no restart within 180 s"
             time.sleep(0.05)
@@ -289,14 +303,16 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "restart 1 of 1" in stdout and "step-20" in stdout
+    assert "restart 1 of 1" in stdout
+    assert ("from the start (step 0)" if failed_step < EVERY else "step-20") in stdout
     rep = _report(out)
     assert rep["params_sha256"] == _report(reference)["params_sha256"]
     assert rep["status"] == "completed" and rep["steps"] == STEPS
     assert rep["restarts"]["count"] == 1
     assert 0 < rep["restarts"]["steps_redone"] <= STEPS - EVERY
-    assert failed_step >= EVERY
-    print(f"{failure}: recovery (failure to the restarted job's start) {recovery_s:.1f} s")
+    assert early or failed_step >= EVERY
+    upto = "its replacement process" if early else "the restarted job's first record"
+    print(f"{failure}: recovery (failure to {upto}) {recovery_s:.1f} s")
     assert recovery_s < 30 + (float(timeout) if timeout else 0.0)
 
 
