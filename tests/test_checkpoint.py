@@ -9,6 +9,7 @@ Two launches carry every multi-process scenario (cluster start-up dominates the 
 * job 2 (2 workers, 2 separate server processes, ``--resume``): fresh processes with
   differently initialised models load the checkpoints and train M steps; the parameters must
   be bit-identical to the uninterrupted run. The same job checks the world-size error, a
+  checkpoint whose server file was corrupted after the save (refused by its checksum), a
   worker/server state round trip, a shape mismatch naming the tensor, and a failed server load
   naming the servers.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -111,12 +113,18 @@ WORKER = textwrap.dedent('''
             ck.load(fake, *runs["onebit"])
         except ValueError as e:
             res["mismatch"] = str(e)
+        try:  # a server file changed after the save (the test flipped a byte): refused
+            ck.load(f"{out}/ck-corrupt", *runs["topk"])
+        except ValueError as e:
+            res["corrupt"] = str(e)
         starts = [ck.load(f"{out}/ck-{cfg}", m, opt) for cfg, (m, opt) in runs.items()]
         res["starts"] = starts
         res["extra"] = ck.extra(f"{out}/ck-onebit")
         for cfg, (m, opt) in runs.items():
             train(m, opt, range(N, N + M))
             res[f"resume.{cfg}"] = flat(m)
+        # saved again: the loaded keys not pushed since (the ref.* runs') are still state
+        ck.save(f"{out}/ck-again", *runs["onebit"], N + M)
         # worker and server state round trip through save/load
         kw = dict(compression="onebit", ef="corrected", lr=0.1, min_compress_bytes=0)
         xs = [torch.randn(300, generator=torch.Generator().manual_seed(10 * i + r))
@@ -159,6 +167,15 @@ def _launch(tmp_path: Path, mode: str, args: list[str]) -> list[dict]:
     return [torch.load(tmp_path / f"{mode}{w}.pt", weights_only=False) for w in range(2)]
 
 
+def server_keys(directory: Path) -> set[str]:
+    return {name for i in range(2) for name in torch.load(
+        directory / f"server{i}.pt", weights_only=True)["keys"]}
+
+
+def meta_sha(directory: Path, name: str) -> str:
+    return json.loads((directory / "meta.json").read_text())["files"][name]
+
+
 def test_resume_is_bit_identical(tmp_path: Path) -> None:
     first = _launch(tmp_path, "first", ["--colocate"])
     assert not torch.equal(first[0]["resid"], first[1]["resid"])  # per-worker residuals differ
@@ -168,6 +185,12 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
     assert meta["spec"] == "onebit:ef=vanilla"
     assert sorted(p.name for p in (tmp_path / "ck-topk").iterdir()) == [
         "meta.json", "server0.pt", "server1.pt", "worker0.pt", "worker1.pt"]
+
+    assert set(meta["files"]) == {"worker0.pt", "worker1.pt", "server0.pt", "server1.pt"}
+    corrupt = shutil.copytree(tmp_path / "ck-topk", tmp_path / "ck-corrupt")
+    data = bytearray((corrupt / "server1.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (corrupt / "server1.pt").write_bytes(bytes(data))
 
     ckdir = tmp_path / "ck-onebit"
     resumed = _launch(tmp_path, "resume", ["--resume", str(ckdir)])
@@ -180,6 +203,10 @@ def test_resume_is_bit_identical(tmp_path: Path) -> None:
         for cfg in ("onebit", "topk", "fused"):  # randomk draws its indices from the key (the name)
             assert torch.equal(first[w][f"cont.{cfg}"], first[w][f"ref.{cfg}"]), cfg
         assert "3 workers" in res["mismatch"] and "2 workers" in res["mismatch"]
+        assert "server1.pt is corrupt or truncated" in res["corrupt"]
+        assert "ref.topk.0.weight" in server_keys(tmp_path / "ck-onebit")  # never pushed again
+        assert server_keys(tmp_path / "ck-onebit") <= server_keys(tmp_path / "ck-again")
+        assert meta_sha(corrupt, "server1.pt") in res["corrupt"]  # the expected checksum
         assert res["roundtrip"]
         assert "'shape'" in res["shape"] and "numel" in res["shape"]
         err = res["server_error"]

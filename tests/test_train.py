@@ -116,9 +116,11 @@ def _help_options() -> list[str]:
             if line.startswith("  -")]
 
 
-def test_train_help_lists_at_most_26_options_including_help() -> None:
-    opts = _help_options()  # 26: --tensorboard/--no-tensorboard (one line) joined the 25
-    assert "-h" in opts and len(opts) <= 26, opts
+def test_train_help_lists_at_most_29_options_including_help() -> None:
+    # 26: --tensorboard/--no-tensorboard (one line) joined the 25; 29: --checkpoint-every,
+    # --resume and --max-restarts (issue 29, surviving failures)
+    opts = _help_options()
+    assert "-h" in opts and len(opts) <= 29, opts
 
 
 def test_train_parser_is_generated_from_the_config_fields() -> None:

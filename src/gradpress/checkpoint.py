@@ -3,9 +3,11 @@ of every worker and server (error-feedback residuals, momentum buffers, step cou
 resumed run continues bit-identically (residuals are state: DeepSpeed resets them, we do not).
 Layout of a checkpoint directory::
 
-    meta.json        format, step, world sizes, compression spec, save tag (written last)
+    meta.json        format, step, world sizes, compression spec, save tag, the sha256 of
+                     every file below (written last, atomically)
     worker<r>.pt     per worker: its codec state, RNG state and ``extra``; worker 0 also holds
-                     the model and the wrapped optimizer's state (replicas are identical)
+                     the model and the wrapped optimizer's state (replicas are identical;
+                     every worker holds its own if the optimizer's ``per_worker_state``)
     server<i>.pt     per server: residuals and step counters of its keys
 
 Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADPRESS_RESUME``)::
@@ -20,12 +22,19 @@ Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADP
         if step % 1000 == 999:
             gradpress.checkpoint.save("ckpt", model, opt, step + 1)
 
-See docs/design.md (checkpoints).
+Every file is written under a temporary name and renamed; ``meta.json`` records each file's
+sha256 and :func:`load` (and :func:`verify`) refuse a file whose checksum differs (a truncated or
+corrupt file) with a ValueError naming the file and both checksums. Checkpoints written before
+checksums existed (no ``"files"`` in ``meta.json``) still load, unverified.
+
+See docs/design.md (checkpoints) and docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -37,12 +46,48 @@ from . import api
 from .ps.checkpointing import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
 from .torch.broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["save", "load", "extra", "resume_dir"]
+__all__ = ["save", "load", "extra", "resume_dir", "checkpoints_dir", "latest", "verify",
+           "file_sha256"]
+
+
+log = logging.getLogger(__name__)
 
 
 def resume_dir() -> str | None:
-    """The directory given to ``gradpress launch --resume`` (``GRADPRESS_RESUME``), or None."""
+    """The directory given to ``gradpress launch --resume`` (``GRADPRESS_RESUME``), or None.
+    Under ``gradpress launch --max-restarts``, a restarted job gets the newest valid checkpoint
+    of ``--checkpoints`` here."""
     return os.environ.get("GRADPRESS_RESUME") or None
+
+
+def checkpoints_dir() -> str | None:
+    """The directory given to ``gradpress launch --checkpoints`` (``GRADPRESS_CHECKPOINTS``),
+    under which the script saves each checkpoint in a subdirectory of its own, or None."""
+    return os.environ.get("GRADPRESS_CHECKPOINTS") or None
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The newest (by saved step) complete checkpoint among the subdirectories of ``root``
+    whose files match their checksums; each refused one is logged as a warning and skipped
+    (a directory without ``meta.json`` silently: a save that did not finish). None if none.
+    Needs no running job."""
+    found = []
+    for d in Path(root).iterdir() if Path(root).is_dir() else ():
+        try:
+            meta = read_meta(d) if d.is_dir() else None
+        except ValueError as e:
+            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
+            continue
+        if meta is not None:
+            found.append((int(meta.get("step", 0)), d))
+    for _, d in sorted(found, reverse=True):
+        try:
+            verify(d)
+        except ValueError as e:
+            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
+            continue
+        return str(d.resolve())
+    return None
 
 
 def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -55,10 +100,13 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
        ``meta.json``;
     2. every worker writes ``worker<rank>.pt`` atomically (temporary file, then rename):
        its codec state (every tensor it push_pulled), RNG state and ``extra``; worker 0 adds
-       the model and the optimizer's state (without the per-worker codec part);
+       the model and the optimizer's state (without the per-worker codec part); every worker
+       adds its own optimizer state when it differs between workers (an optimizer class with
+       ``per_worker_state = True``, such as :class:`gradpress.optim.OneBitLANS`);
     3. every server writes ``server<i>.pt`` (:func:`gradpress.save_server_state`);
     4. after a barrier, the first worker of each node writes ``meta.json`` (step, world sizes,
-       spec, tag): a directory without it is not a complete checkpoint.
+       spec, tag, the sha256 of every worker and server file it sees), atomically: a directory
+       without it is not a complete checkpoint.
 
     Call it after ``optimizer.step()`` (no push_pull in flight), with the same ``directory`` and
     ``step`` on every worker. ``extra`` is this worker's plain data (tensors, numbers, strings,
@@ -76,8 +124,10 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
     blob: dict[str, Any] = {"format": FORMAT, "tag": tag, "step": step, "rank": rank,
                             "engine": api.worker_state_dict(), "rng": _rng_state(),
                             "extra": extra}
+    per_worker = _per_worker(optimizer)
     if rank == 0:
         blob["model"] = model.state_dict()
+    if rank == 0 or per_worker:
         blob["optimizer"] = _inner_state(optimizer)
     atomic_save(blob, worker_file(path, rank))  # step 2
     rt.worker.checkpoint.server_state("save", str(path), tag)  # step 3
@@ -86,7 +136,9 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
         lay = rt.cluster.layout
         meta = {"format": FORMAT, "tag": tag, "step": step, "num_workers": lay.num_workers,
                 "num_servers": lay.num_servers, "colocate": lay.colocate, "nnodes": lay.nnodes,
-                "hierarchical": lay.hierarchical, "spec": _spec(optimizer)}
+                "hierarchical": lay.hierarchical, "spec": _spec(optimizer),
+                "per_worker_optimizer": per_worker,
+                "files": _checksums(path, lay.num_workers, lay.num_servers)}
         _write_json(path / META_FILE, meta)
     api.barrier()
     return str(path)
@@ -98,9 +150,11 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
 
     Steps:
 
-    1. read ``meta.json`` and check the world sizes (ValueError naming both otherwise);
+    1. read ``meta.json``, check the world sizes (ValueError naming both otherwise) and the
+       checksums of this worker's file and of the server files (:func:`verify`);
     2. worker 0 loads the model and the optimizer state and broadcasts both to every worker
-       (the per-worker codec state is not broadcast);
+       (the per-worker codec state is not broadcast; a per-worker optimizer state is loaded
+       by each worker from its own file instead);
     3. every worker restores its own codec state and RNG state from ``worker<rank>.pt``;
     4. every server restores its keys (:func:`gradpress.load_server_state`).
 
@@ -110,15 +164,20 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
     path = _check_args(directory, model, optimizer)
     meta = _check_meta(path)  # step 1
     rank, rt = api.rank(), api._rt()
+    verify(path, [worker_file(path, rank).name,
+                  *(f"server{i}.pt" for i in range(int(meta["num_servers"])))])
     blob = load_file(worker_file(path, rank), f"worker {rank}")
     if blob.get("tag") != meta["tag"]:
         raise ValueError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
                          f"{blob.get('tag')!r}, meta.json has {meta['tag']!r})")
+    per_worker = bool(meta.get("per_worker_optimizer"))
     if rank == 0:  # step 2
         model.load_state_dict(blob["model"])
+    if rank == 0 or per_worker:
         optimizer.load_state_dict(blob["optimizer"])
     broadcast_parameters(model.state_dict(), root_rank=0)
-    broadcast_optimizer_state(optimizer, root_rank=0)
+    if not per_worker:
+        broadcast_optimizer_state(optimizer, root_rank=0)
     api.load_worker_state_dict(blob["engine"])  # step 3
     _set_rng_state(blob["rng"])
     rt.worker.checkpoint.server_state("load", str(path), meta["tag"])  # step 4
@@ -129,6 +188,49 @@ def extra(directory: str | os.PathLike) -> Any:
     """The ``extra`` this worker passed to :func:`save` (None if it passed none)."""
     path = Path(directory).resolve()
     return load_file(worker_file(path, api.rank()), f"worker {api.rank()}").get("extra")
+
+
+def verify(directory: str | os.PathLike, names: list[str] | None = None) -> dict[str, Any]:
+    """Check a checkpoint directory's files against the checksums in its ``meta.json``;
+    returns the metadata. Needs no running job.
+
+    Steps:
+
+    1. read ``meta.json`` (ValueError if it is missing: the save did not finish);
+    2. for each file it lists (only ``names`` of them, if given), compute the sha256 of the
+       file's bytes and compare: a missing file or a different checksum is a ValueError naming
+       the file, the expected and the actual checksum. A ``meta.json`` without checksums (an
+       older checkpoint) passes unchecked.
+    """
+    path = Path(directory).resolve()
+    meta = read_meta(path)  # step 1
+    if meta is None:
+        raise ValueError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is missing "
+                         f"(the save did not finish, or this is not a checkpoint directory)")
+    files = meta.get("files") or {}
+    for name in sorted(files if names is None else set(names) & set(files)):  # step 2
+        f = path / name
+        actual = file_sha256(f) if f.is_file() else "missing"
+        if actual != files[name]:
+            raise ValueError(f"checkpoint file {f} is corrupt or truncated: its sha256 is "
+                             f"{actual}, {META_FILE} expects {files[name]}")
+    return meta
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _checksums(path: Path, num_workers: int, num_servers: int) -> dict[str, str]:
+    """The sha256 of every worker and server file of the save present in ``path``."""
+    names = [*(f"worker{r}.pt" for r in range(num_workers)),
+             *(f"server{i}.pt" for i in range(num_servers))]
+    return {n: file_sha256(path / n) for n in names if (path / n).is_file()}
 
 
 def _check_args(directory: Any, model: Any, optimizer: Any) -> Path:
@@ -163,6 +265,11 @@ def _inner_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return state
 
 
+def _per_worker(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether each worker's optimizer state differs (``per_worker_state`` of its class)."""
+    return bool(getattr(optimizer, "per_worker_state", False))
+
+
 def _spec(optimizer: torch.optim.Optimizer) -> str | None:
     """The DistributedOptimizer's compression as spec text (None for a plain optimizer)."""
     spec = getattr(optimizer, "_gp_spec", None)
@@ -188,5 +295,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)

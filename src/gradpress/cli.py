@@ -12,8 +12,12 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .netem import NetemError
+
+if TYPE_CHECKING:
+    from .launch import LaunchConfig
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
@@ -53,6 +57,13 @@ def _add_launch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="resume from the checkpoint in DIR: sets GRADPRESS_RESUME=DIR for every "
                         "process; servers load their state from it at start, the training "
                         "script calls gradpress.checkpoint.load (docs/design.md)")
+    p.add_argument("--checkpoints", metavar="DIR",
+                   help="where the script saves its checkpoints, one subdirectory each (sets "
+                        "GRADPRESS_CHECKPOINTS=DIR; gradpress.checkpoint.checkpoints_dir())")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="when a process dies, restart the job from the newest valid checkpoint "
+                        "under --checkpoints (GRADPRESS_RESUME), at most N times (default 0; "
+                        "one node)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ... run by each worker")
     return p
 
@@ -96,7 +107,7 @@ def _per_node(total: int | None, per_node: int | None, nnodes: int, what: str,
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from .launch import LaunchConfig, launch
+    from .launch import LaunchConfig
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -109,13 +120,51 @@ def _run_launch(args: argparse.Namespace) -> int:
     wpn = _per_node(args.workers, args.workers_per_node, args.nnodes, "worker", None)
     spn = _per_node(args.servers, args.servers_per_node, args.nnodes, "server",
                     wpn if args.colocate else 1)
+    _check_restarts(args)
     cfg = LaunchConfig(command=tuple(command), workers_per_node=wpn, servers_per_node=spn,
                        colocate=args.colocate, nnodes=args.nnodes, node_rank=args.node_rank,
                        master_addr=args.master_addr, master_port=args.master_port,
                        grace_s=args.grace, timeout=args.timeout,
                        env={**({"GRADPRESS_HIERARCHICAL": "1"} if args.hierarchical else {}),
+                            **({"GRADPRESS_CHECKPOINTS": os.path.abspath(args.checkpoints)}
+                               if args.checkpoints else {}),
                             **_resume_env(args.resume, wpn * args.nnodes, spn * args.nnodes)})
-    return launch(cfg)
+    return _launch_with_restarts(cfg, args.max_restarts)
+
+
+def _check_restarts(args: argparse.Namespace) -> None:
+    n = args.max_restarts
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"--max-restarts must be an int >= 0, got {n!r}")
+    if n and args.nnodes > 1:
+        raise ValueError(f"--max-restarts is for one node (the launchers of several nodes do "
+                         f"not restart together), got --nnodes {args.nnodes}")
+
+
+def _launch_with_restarts(cfg: LaunchConfig, max_restarts: int) -> int:
+    """``launch(cfg)``; after a failure (not Ctrl-C or SIGTERM: 130, 143) launch again with
+    ``GRADPRESS_RESUME`` set to the newest valid checkpoint under ``GRADPRESS_CHECKPOINTS``
+    (:func:`gradpress.checkpoint.latest`; none: the job's own ``--resume``, or the start), at
+    most ``max_restarts`` times."""
+    import dataclasses
+
+    from .launch import launch
+
+    code, count = launch(cfg), 0
+    while code not in (0, 130, 143) and count < max_restarts:
+        from .checkpoint import latest
+
+        env = dict(cfg.env)
+        root = env.get("GRADPRESS_CHECKPOINTS")
+        found = latest(root) if root else None
+        if found is not None:
+            env["GRADPRESS_RESUME"] = found
+        count += 1
+        print(f"gradpress launch: the job failed (exit status {code}); restart {count} of "
+              f"{max_restarts} from {env.get('GRADPRESS_RESUME') or 'the start'}",
+              file=sys.stderr, flush=True)
+        code = launch(dataclasses.replace(cfg, env=env))
+    return code
 
 
 # -- simulate -------------------------------------------------------------------------------

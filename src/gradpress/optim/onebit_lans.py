@@ -112,6 +112,10 @@ class OneBitLANS(LANS):
             sparse.
     """
 
+    #: Each worker's state differs (its own second moment, from its local gradients):
+    #: :func:`gradpress.checkpoint.save` stores every worker's, not worker 0's alone.
+    per_worker_state = True
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, normalize_grad: bool = True,

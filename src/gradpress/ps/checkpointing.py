@@ -17,7 +17,8 @@ after every push a worker made before it:
 2. Each pushing worker, with no push_pull in flight, sends a control message ``OP_SAVE`` or
    ``OP_LOAD`` (``step = seq``) to every server, behind its push announcements.
 3. A server acts when all pushers' messages for ``seq`` arrived: it waits until every key is
-   quiescent (all announced steps reduced), then writes ``server<index>.pt`` atomically (save) or
+   quiescent (all announced steps reduced), then writes ``server<index>.pt`` atomically (save:
+   its keys, and the keys its file of the loaded checkpoint held that no push revived yet) or
    reads every ``server*.pt`` of the directory and restores existing keys, keeping the rest
    pending until the key's first push (load). It acknowledges under ``state/<seq>/ack/<index>``:
    ``"ok"`` or the error text; a failed save or load does not stop the server.
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "META_FILE", "worker_file", "server_file", "atomic_save", "load_file",
            "read_meta", "WorkerCheckpoint", "ServerCheckpoint", "plan_state", "restore_plan",
-           "check_worker_state", "read_server_states"]
+           "check_worker_state", "read_server_states", "own_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +312,16 @@ def read_server_states(directory: str | os.PathLike, layout: Layout, who: str,
                              f"expected {tag!r}); the checkpoint directory mixes two saves")
         for name, chunks in obj["keys"].items():
             for chunk, entry in chunks.items():
-                found[(name, int(chunk))] = entry
+                seen = found.get((name, int(chunk)))  # in two files: the further stepped
+                if seen is None or int(entry.get("step", 0)) >= int(seen.get("step", 0)):
+                    found[(name, int(chunk))] = entry
     return found
+
+
+def own_keys(directory: str | os.PathLike, index: int, who: str) -> set[tuple[str, int]]:
+    """The (tensor, chunk) pairs saved in ``server<index>.pt`` of ``directory``."""
+    obj = load_file(server_file(directory, index), who)
+    return {(name, int(chunk)) for name, chunks in obj["keys"].items() for chunk in chunks}
 
 
 def restore_key(ks: Any, entry: Mapping[str, Any], pushers: int, who: str) -> None:
@@ -362,12 +371,14 @@ class ServerCheckpoint:
         self.engine = engine
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], dict[str, Any]] = {}
+        self._own: set[tuple[str, int]] = set()  # pending keys this server saves again
         self._arrivals = ArrivalCounter(len(engine.pushers))
         resume = engine.cfg.resume
         if resume:
             meta = read_meta(resume)
             self._pending = read_server_states(resume, engine.cluster.layout, engine.name,
                                                None if meta is None else meta.get("tag"))
+            self._own = own_keys(resume, engine.index, engine.name)
             log.info("%s: %d saved keys pending from %s", engine.name, len(self._pending),
                      resume)
 
@@ -388,8 +399,9 @@ class ServerCheckpoint:
             keys = e.keys()
             wait_quiescent(keys, e.cfg.timeout, e.name)
             if msg.op == OP_SAVE:
-                atomic_save(server_snapshot(keys, e.cluster.layout, e.index, req["tag"]),
-                            server_file(req["dir"], e.index))
+                snap = self._with_pending(server_snapshot(keys, e.cluster.layout, e.index,
+                                                          req["tag"]))
+                atomic_save(snap, server_file(req["dir"], e.index))
             else:
                 self._load(req["dir"], req["tag"])
         except Exception as err:  # noqa: BLE001 - reported to the workers; serving goes on
@@ -398,10 +410,22 @@ class ServerCheckpoint:
             return
         acknowledge(e.cluster, seq, e.index, None)
 
+    def _with_pending(self, snap: dict[str, Any]) -> dict[str, Any]:
+        """Add to a save the loaded keys not pushed since (still pending) that this server's
+        file held: they stay state of the job, saved once (a key pushed since is live on
+        some server and saved from there)."""
+        with self._lock:
+            pending = [(k, e) for k, e in self._pending.items() if k in self._own]
+        for (name, chunk), entry in pending:
+            snap["keys"].setdefault(name, {}).setdefault(chunk, entry)
+        return snap
+
     def _load(self, directory: str, tag: str | None) -> None:
         loaded = read_server_states(directory, self.engine.cluster.layout, self.engine.name, tag)
+        own = own_keys(directory, self.engine.index, self.engine.name)
         with self._lock:
             self._pending.update(loaded)
+            self._own |= own
         # keys created from now on restore themselves; each entry is applied once (popped)
         for ks in sorted(self.engine.keys(), key=lambda k: -k.desc.generation):  # newest first
             self.restore(ks)

@@ -338,6 +338,7 @@ class _Distributed:
         :func:`~gradpress.torch.broadcast.broadcast_optimizer_state` leaves that part out, so
         per-worker residuals are never overwritten by another worker's. After
         ``gradpress.shutdown()`` (no codec state left) only the wrapped optimizer's state remains.
+        ``"gradpress_steps"`` is the number of steps taken (where the ``dense_steps`` phase is).
         """
         from .. import api
 
@@ -349,6 +350,7 @@ class _Distributed:
             state["gradpress"] = api.worker_state_dict(names)
         if self._gp_meter is not None:
             state["gradpress_agreement"] = self._gp_meter.state_dict()
+        state["gradpress_steps"] = self._gp_steps  # the dense phase's position
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -359,6 +361,9 @@ class _Distributed:
         state = dict(state_dict)
         codec_state = state.pop("gradpress", None)
         agreement = state.pop("gradpress_agreement", None)
+        steps = state.pop("gradpress_steps", None)
+        if steps is not None:
+            self._gp_steps = int(steps)
         super(self.__class__, self).load_state_dict(state)
         if agreement is not None and self._gp_meter is not None:
             self._gp_meter.load_state_dict(agreement)

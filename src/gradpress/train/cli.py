@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import resolve_resume
 from .config import TrainConfig
 from .options import add_arguments, from_namespace
 from .report import (
@@ -31,6 +32,7 @@ from .report import (
     run_report,
     write_json,
 )
+from .restarts import INTERRUPTED, run_with_restarts, start_from
 from .session import CONFIG_ENV
 from .slowlink import check_bandwidth, launch_limited, link_budget
 from .tensorboard import SUBDIR as TB_SUBDIR
@@ -43,7 +45,7 @@ __all__ = ["add_train_arguments", "run_train", "add_demo_arguments", "run_demo",
 _PLAN = "config.json"
 _OUTPUTS = ("metrics.jsonl", "report.json", "loss_vs_step.png", "loss_vs_time.png",
             "bytes_per_step.png", "eval_vs_step.png", "eval_vs_time.png")
-_INTERRUPTED = (130, 143)
+_INTERRUPTED = INTERRUPTED
 
 #: The demo's three runs on digits-cnn (name, compression, CLAN learning rate); the rates were
 #: tuned per method (see ``docs/results.md``).
@@ -58,8 +60,9 @@ DEMO_EPOCHS = 16
 DEMO_BANDWIDTH = "100mbit"
 
 
-def prepare_out_dir(path: str | Path) -> Path:
-    """Create ``path`` and prove it writable; remove outputs of an earlier run there.
+def prepare_out_dir(path: str | Path, resuming: bool = False) -> Path:
+    """Create ``path`` and prove it writable; remove outputs of an earlier run there (when
+    ``resuming``, its metrics and TensorBoard events stay: the resumed run appends to them).
 
     Raises:
         ValueError: the directory cannot be created or written (before training starts).
@@ -71,9 +74,11 @@ def prepare_out_dir(path: str | Path) -> Path:
         probe.write_bytes(b"ok")
         probe.unlink()
         for name in (*_OUTPUTS, _PLAN):
-            (p / name).unlink(missing_ok=True)
+            if not (resuming and name == "metrics.jsonl"):
+                (p / name).unlink(missing_ok=True)
         for f in (p / TB_SUBDIR).glob("events.out.tfevents.*"):
-            f.unlink()  # TensorBoard would show the earlier run's steps with this one's
+            if not resuming:
+                f.unlink()  # TensorBoard would show the earlier run's steps with this one's
     except OSError as e:
         raise ValueError(f"output directory {str(path)!r} cannot be written: "
                          f"{e.strerror or e}") from None
@@ -132,8 +137,8 @@ def _status(rep: dict[str, Any], code: int) -> str:
     return "interrupted" if code in _INTERRUPTED else "failed"
 
 
-def _write_reports(runs: Sequence[TrainConfig], code: int, plots: bool = True
-                   ) -> list[dict[str, Any]]:
+def _write_reports(runs: Sequence[TrainConfig], code: int, plots: bool = True,
+                   restarts: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per run: ``report.json`` (and plots) in its directory; prints its report block."""
     reports = []
     for cfg in runs:
@@ -145,6 +150,8 @@ def _write_reports(runs: Sequence[TrainConfig], code: int, plots: bool = True
         rep.setdefault("config", cfg.to_dict())
         if cfg.tensorboard:
             rep["tensorboard"] = str(Path(cfg.out) / TB_SUBDIR)
+        if restarts is not None:
+            rep["restarts"] = restarts
         if plots:
             rep["plots"] = [str(p) for p in plot_runs(cfg.out, {cfg.name: recs})]
         write_json(Path(cfg.out) / "report.json", rep)
@@ -171,15 +178,20 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     tensorboard = resolve_tensorboard(cfg.tensorboard)  # --tensorboard without it: an error
     _check_param_names(cfg)
-    out = prepare_out_dir(cfg.out)
-    cfg = cfg.replace(out=str(out), tensorboard=tensorboard)
+    resume = resolve_resume(cfg.resume, Path(cfg.out).expanduser(), (cfg.workers, cfg.servers))
+    out = prepare_out_dir(cfg.out, resuming=resume is not None)
+    cfg = cfg.replace(out=str(out), tensorboard=tensorboard, resume=resume)
+    if cfg.resume is not None or cfg.checkpoint_every or cfg.max_restarts:
+        start_from(out, resume)  # a fresh run: no checkpoints of an earlier one to resume from
+    if cfg.resume is not None:
+        print(f"gradpress train: resuming from {resume}", flush=True)
     if tensorboard:
         print(f"gradpress train: TensorBoard scalars in {out / TB_SUBDIR} (tensorboard --logdir "
               f"{out})", flush=True)
     t0 = time.perf_counter()
-    code = _launch([cfg], out / _PLAN, cfg.script)
+    code, restarts = run_with_restarts(cfg, lambda c: _launch([c], out / _PLAN, c.script))
     with _uninterrupted():
-        reports = _write_reports([cfg], code)
+        reports = _write_reports([cfg], code, restarts=restarts)
     if not reports:
         print(f"gradpress train: no metrics in {out} (a script logs them with "
               "gradpress.train.Session)", file=sys.stderr)

@@ -128,6 +128,14 @@ class TrainConfig:
                                               metavar="F")
     eval_every: int | None = option(None, "evaluate every N steps (default: every epoch; the "
                                           "end is always evaluated)", metavar="N")
+    checkpoint_every: int = option(0, "save a checkpoint every N steps into "
+                                      "OUT/checkpoints/step-<N>/, keeping the newest 2 (0: "
+                                      "never; bundled tasks)", metavar="N")
+    resume: str | None = option(None, "continue from a checkpoint: its directory, or auto (the "
+                                      "newest valid one under OUT/checkpoints; none: start "
+                                      "afresh)", metavar="DIR")
+    max_restarts: int = option(0, "when a process dies, restart the whole job from the newest "
+                                  "valid checkpoint, at most N times", metavar="N")
     seed: int = option(0, "seed of the model initialisation and of the data order",
                        metavar="N")
     out: str = option("runs/train", "run directory: metrics.jsonl, report.json, plots",
@@ -149,6 +157,7 @@ class TrainConfig:
         self._check_dense_steps()
         _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
+        self._check_recovery()
         _number(self, "lr", 0.0, strict=True)
         _number(self, "weight_decay", 0.0, strict=False)
         _number(self, "stop_on_divergence", 0.0, strict=True)
@@ -177,6 +186,21 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.dense_steps is not for sgd-ef (its momentum runs "
                              f"on the compressed gradients from the first step), got "
                              f"{self.dense_steps}")
+
+    def _check_recovery(self) -> None:
+        """``checkpoint_every`` and ``max_restarts``: ints >= 0; ``resume``: a non-empty path
+        or ``auto``; all three only for bundled tasks (their loop saves the checkpoints)."""
+        _positive_int(self, "checkpoint_every", optional=False, lo=0)
+        _positive_int(self, "max_restarts", optional=False, lo=0)
+        if self.resume is not None and (not isinstance(self.resume, str) or not self.resume):
+            raise ValueError(f"TrainConfig.resume must be a checkpoint directory or 'auto', got "
+                             f"{self.resume!r}")
+        if self.script and (self.checkpoint_every or self.max_restarts
+                            or self.resume is not None):
+            raise ValueError("TrainConfig.checkpoint_every, resume and max_restarts are for "
+                             "bundled tasks; a script saves and loads with gradpress.checkpoint "
+                             f"(got checkpoint_every={self.checkpoint_every}, "
+                             f"resume={self.resume!r}, max_restarts={self.max_restarts})")
 
     def _check_betas(self) -> None:
         """``betas``: None or two numbers in [0, 1); not for ``sgd-ef``."""

@@ -35,12 +35,14 @@ _RUNTIME_STAGES = ("compress_s", "send_s", "wait_s", "decompress_s")
 
 
 class MetricsWriter:
-    """Appends JSON records to a file, one per line, flushed after each (survives a kill)."""
+    """Appends JSON records to a file, one per line, flushed after each (survives a kill);
+    the file starts empty unless ``append`` (a resumed run goes on after the earlier records)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, append: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._f = open(self.path, "a" if append else "w",  # noqa: SIM115 - closed in close()
+                       encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:
         """Write one record and flush it to the operating system."""
@@ -108,7 +110,8 @@ def run_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                            "status": status, "steps": len(steps)}
     start = next((dict(r) for r in records if r.get("kind") == "start"), None)
     for src in (start, summary):
-        for k in ("config", "hparams", "workers", "params", "setup_s", "replicas_identical"):
+        for k in ("config", "hparams", "workers", "params", "setup_s", "replicas_identical",
+                  "params_sha256"):
             if src is not None and k in src:
                 rep[k] = src[k]
     rep["wall_s"] = summary["wall_s"] if summary else max(

@@ -88,7 +88,8 @@ class Session:
         self.total_steps = total_steps
         self.steps = 0
         self.run_dir = Path(run_dir or cfg.out)
-        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl") if self.rank == 0 else None
+        self.writer = (MetricsWriter(self.run_dir / "metrics.jsonl", append=bool(cfg.resume))
+                       if self.rank == 0 else None)
         self.tensorboard: Any = None  # rank 0 with cfg.tensorboard: the same records as scalars
         if self.writer is not None and cfg.tensorboard:
             from .tensorboard import SUBDIR, TensorBoardWriter

@@ -9,14 +9,16 @@ three in one cluster; each run's tensor names start with its name, so their keys
 For each run:
 
 1. Build the task's model from the run's seed (identical on every worker), the configured
-   optimizer behind ``gp.DistributedOptimizer``, and broadcast the parameters from rank 0.
+   optimizer behind ``gp.DistributedOptimizer``, and broadcast the parameters from rank 0 (or,
+   with ``resume``, load the checkpoint: :mod:`gradpress.train.checkpoints`).
 2. For each step: take this worker's shard of the global batch, forward and backward (the
    gradient hooks start the compressed push_pulls during backward), apply the lr schedule,
    synchronize and step; rank 0 logs loss, bytes and stage times to ``metrics.jsonl``.
 3. Rank 0 evaluates after every epoch (or every ``eval_every`` steps) and at the end; the other
-   workers go on and wait for it at the next push_pull.
+   workers go on and wait for it at the next push_pull. Every ``checkpoint_every`` steps all
+   workers save a checkpoint.
 4. At the end the workers compare fingerprints of their parameters (replicas must be
-   bit-identical) and rank 0 writes the summary record.
+   bit-identical) and rank 0 writes the summary record (with ``params_sha256``).
 
 SIGINT or SIGTERM (the launcher stopping everything after Ctrl-C) ends the worker at once; rank 0
 first records ``{"kind": "end", "status": "interrupted"}`` after the steps already written.
@@ -33,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import TrainCheckpoints, params_sha256
 from .config import TrainConfig
 from .guard import TrainingDiverged
 from .session import Session
@@ -77,35 +80,47 @@ def run_task(cfg: TrainConfig, sessions: list[Session] | None = None,
     if sessions is not None:
         sessions.append(s)
     opt = s.optimizer(model, **(optimizer_options or {}))
-    gp.broadcast_parameters({f"{cfg.name}.{k}": v for k, v in model.state_dict().items()})
+    ckpt = TrainCheckpoints(s, model, opt)
+    if cfg.resume:
+        ckpt.resume(cfg.resume)
+    else:
+        gp.broadcast_parameters({f"{cfg.name}.{k}": v for k, v in model.state_dict().items()})
     s.start()
-    epochs = train_steps(task, model, opt, s, bs, cfg.eval_every or spe)
+    epochs = train_steps(task, model, opt, s, bs, cfg.eval_every or spe, ckpt)
     # 4. replicas check and summary
     s.finish(model, task=cfg.task, epochs=epochs, steps_per_epoch=spe, batch_size=bs,
-             total_steps=total)
+             total_steps=total, params_sha256=params_sha256(model), resumed_from=cfg.resume)
     return s
 
 
-def train_steps(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every: int) -> int:
+def train_steps(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every: int,
+                ckpt: TrainCheckpoints | None = None) -> int:
     """Steps 2-3 until ``s.total_steps``; returns the number of epochs begun.
 
     The bundled task's loop with any optimizer: a script started by ``gradpress train ... --
     python SCRIPT`` that builds its own (``benchmarks/clan_script.py``) calls it between
     ``s.start()`` and ``s.finish()``; ``bs`` is the per-worker batch size and rank 0 evaluates
-    every ``eval_every`` steps and at the end.
+    every ``eval_every`` steps and at the end. With ``ckpt``, training goes on from its
+    ``position`` (a resumed run skips the batches already drawn) and saves after each step
+    when due.
     """
     rank, world, total = s.rank, s.size, s.total_steps
     bar = _progress(s.cfg, total, rank)
-    epoch = 0
+    bar.update(s.steps)
+    epoch, skip = ckpt.position if ckpt is not None else (0, 0)
     try:
         while s.steps < total:
             batches = task.train_batches(rank, world, bs, s.cfg.seed, epoch)
+            index, skip = skip, 0
+            for _ in range(index):  # drawn before the checkpoint
+                next(batches, None)
             while s.steps < total:
                 # 2. one step: data, forward/backward (pushes start), sync, update, log
                 with s.stage("data"):
                     batch = next(batches, None)
                 if batch is None:
                     break
+                index += 1
                 opt.zero_grad()
                 with s.stage("compute"):
                     loss = task.loss(model, batch)
@@ -122,6 +137,8 @@ def train_steps(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every
                     s.log_eval(result)
                     bar.set_postfix(loss=f"{loss_value:.4f}",
                                     **{result.primary: f"{result.value:.4f}"})
+                if ckpt is not None:
+                    ckpt.after_step(epoch, index)
             epoch += 1
     finally:
         bar.close()

@@ -1,0 +1,104 @@
+"""``gradpress train --resume`` and ``--max-restarts``: the supervisor's side of recovery.
+
+The CLI process that launches the cluster is the supervisor. When the job fails (a process
+died: the launcher ends every other process and returns non-zero, see ``docs/reliability.md``;
+a hung process makes the others' waits time out, which ends the job the same way), it:
+
+1. finds the newest complete checkpoint whose checksums match under ``OUT/checkpoints``
+   (:func:`gradpress.train.checkpoints.latest_valid`; none: the start of the run);
+2. cuts the run directory back to that step (:func:`start_from`: the steps after it are
+   redone);
+3. launches the whole job again with ``resume`` set to that checkpoint,
+
+at most ``max_restarts`` times; an interrupted job (Ctrl-C: exit 130 or 143) is not restarted.
+``report.json`` records ``restarts: {"count", "steps_redone"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import SUBDIR, checkpoint_step, checkpoints, resolve_resume
+from .config import TrainConfig
+
+__all__ = ["INTERRUPTED", "trim_metrics", "last_step", "start_from", "run_with_restarts"]
+
+#: Exit statuses of a job stopped by SIGINT or SIGTERM: never restarted.
+INTERRUPTED = (130, 143)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by the crash
+    return out
+
+
+def last_step(metrics: str | Path) -> int:
+    """The highest step recorded in ``metrics.jsonl`` (0 when none)."""
+    return max((int(r["step"]) for r in _records(Path(metrics)) if r.get("kind") == "step"),
+               default=0)
+
+
+def trim_metrics(metrics: str | Path, step: int) -> None:
+    """Keep only the records of ``metrics.jsonl`` up to ``step`` (a resumed run appends the
+    rest): ``start`` records, and ``step``, ``eval`` and ``plan`` records with a step at most
+    ``step``; ``end`` and ``summary`` records go. Written atomically."""
+    path = Path(metrics)
+    if not path.is_file():
+        return
+    keep = [r for r in _records(path) if r.get("kind") == "start"
+            or (r.get("kind") in ("step", "eval", "plan") and int(r.get("step", 0)) <= step)]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def start_from(out: str | Path, resume: str | None) -> int:
+    """Cut run directory ``out`` back to checkpoint ``resume`` (None: the start of the run);
+    returns its step.
+
+    Steps:
+
+    1. ``metrics.jsonl`` keeps the records up to the step (:func:`trim_metrics`);
+    2. the checkpoints of later steps under ``OUT/checkpoints`` are removed (they belong to the
+       run being redone, or to an earlier run in the same directory), each named on stdout.
+    """
+    step = checkpoint_step(resume) if resume is not None else 0
+    trim_metrics(Path(out) / "metrics.jsonl", step)  # step 1
+    for later, d in checkpoints(Path(out) / SUBDIR):  # step 2
+        if later > step and (resume is None or d.resolve() != Path(resume).resolve()):
+            print(f"gradpress train: removing checkpoint {d} (after step {step})", flush=True)
+            shutil.rmtree(d, ignore_errors=True)
+    return step
+
+
+def run_with_restarts(cfg: TrainConfig, launch: Callable[[TrainConfig], int]
+                      ) -> tuple[int, dict[str, Any]]:
+    """Run ``launch(cfg)``; after a failure restart from the newest valid checkpoint (steps
+    1-3 of the module docstring), at most ``cfg.max_restarts`` times. Returns the last exit
+    status and ``{"count", "steps_redone"}``."""
+    metrics = Path(cfg.out) / "metrics.jsonl"
+    info: dict[str, Any] = {"count": 0, "steps_redone": 0}
+    code = launch(cfg)
+    while code != 0 and code not in INTERRUPTED and info["count"] < cfg.max_restarts:
+        reached = last_step(metrics)
+        resume = resolve_resume("auto", cfg.out)  # step 1
+        start = start_from(cfg.out, resume)  # step 2
+        info["count"] += 1
+        info["steps_redone"] += max(0, reached - start)
+        print(f"gradpress train: the job failed (exit status {code}) at step {reached}; restart "
+              f"{info['count']} of {cfg.max_restarts} from "
+              f"{resume or 'the start'} (step {start})", flush=True)
+        code = launch(cfg.replace(resume=resume))  # step 3
+    return code, info
