@@ -1,0 +1,138 @@
+"""Chaos run of ``gradpress train --max-restarts``: kill or stop random processes, compare bits.
+
+Steps:
+
+1. an uninterrupted reference run (digits-cnn, onebit with error feedback, 2 workers, 1 server,
+   a checkpoint every ``--every`` steps) gives ``params_sha256`` and its wall time;
+2. the same run under ``--max-restarts N`` (``GRADPRESS_TIMEOUT`` short, so a stopped process is
+   noticed): ``--failures`` times, at a random step past the next checkpoint, a random worker or
+   the server is sent SIGKILL, or a random worker SIGSTOP (kinds drawn without replacement
+   from three copies of each); the next failure waits for the restarted job's first
+   record;
+3. prints, and writes as JSON, each failure (what, when, the seconds from the failure to the
+   restarted job's first record), the seconds lost per failure (wall time over the reference's,
+   divided by the failures) and whether the final parameters equal the reference's bit for bit.
+
+Usage::
+
+    python benchmarks/chaos.py --steps 120 --every 20 --failures 3 --seed 0 \\
+        --out benchmarks/results/chaos
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from gradpress.train.report import read_metrics
+from gradpress.train.restarts import last_step
+
+KINDS = [("worker", signal.SIGKILL), ("server", signal.SIGKILL), ("worker", signal.SIGSTOP)]
+
+
+def _cmd(args: argparse.Namespace, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn",
+            "--steps", str(args.steps), "--checkpoint-every", str(args.every),
+            "--compression", "onebit", "--dense-steps", "2", "--servers", "1", "--no-progress",
+            "--no-tensorboard", "--out", str(out), *extra]
+
+
+def _pid(marker: str, role: str, rank: int | None) -> int | None:
+    """The PID of the job's process with this role (and RANK), from /proc."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"GP_CHAOS={marker}".encode() in env and f"GRADPRESS_ROLE={role}".encode() in env \
+                and (rank is None or f"RANK={rank}".encode() in env):
+            return int(entry)
+    return None
+
+
+def _starts(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return sum(r["kind"] == "start" for r in read_metrics(path)) if path.exists() else 0
+
+
+def _wait(cond, proc: subprocess.Popen, what: str, limit: float = 300) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended (code {proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {limit:.0f} s")
+        time.sleep(0.02)
+
+
+def _fail_once(args, out, proc, marker, rng, kind) -> dict:
+    """Steps 2: one failure past the next checkpoint; returns what happened and the recovery."""
+    now = last_step(out / "metrics.jsonl")
+    at = min(args.steps - 2, (now // args.every + 1) * args.every + rng.randrange(1, args.every))
+    _wait(lambda: last_step(out / "metrics.jsonl") >= at, proc, f"step {at}")
+    role, sig = kind
+    rank = rng.randrange(2) if role == "worker" else None
+    pid = _pid(marker, role, rank)
+    if pid is None:
+        raise RuntimeError(f"no {role} process found")
+    starts = _starts(out)
+    os.kill(pid, sig)
+    t0, step = time.monotonic(), last_step(out / "metrics.jsonl")
+    _wait(lambda: _starts(out) > starts, proc, "the restarted job's first record")
+    return {"role": role, "rank": rank, "signal": signal.Signals(sig).name, "step": step,
+            "recovery_s": round(time.monotonic() - t0, 2)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--every", type=int, default=20)
+    p.add_argument("--failures", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", default="15", help="GRADPRESS_TIMEOUT of the chaos run")
+    p.add_argument("--out", type=Path, default=Path("runs/chaos"))
+    args = p.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.monotonic()  # step 1
+    subprocess.run(_cmd(args, args.out / "reference"), env=env, check=True,
+                   capture_output=True, timeout=900)
+    ref_s = time.monotonic() - t0
+    marker, rng = uuid.uuid4().hex, random.Random(args.seed)
+    out = args.out / "chaos"
+    env.update(GP_CHAOS=marker, GRADPRESS_TIMEOUT=args.timeout)
+    t0 = time.monotonic()  # step 2
+    proc = subprocess.Popen(_cmd(args, out, "--max-restarts", str(args.failures)), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        kinds = rng.sample(KINDS * args.failures, args.failures)  # random, every kind likely
+        failures = [_fail_once(args, out, proc, marker, rng, k) for k in kinds]
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    chaos_s = time.monotonic() - t0
+    ref = json.loads((args.out / "reference" / "report.json").read_text())
+    rep = json.loads((out / "report.json").read_text()) if proc.returncode == 0 else {}
+    result = {"steps": args.steps, "every": args.every, "timeout_s": float(args.timeout),
+              "failures": failures, "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
+              "lost_s_per_failure": round((chaos_s - ref_s) / max(1, len(failures)), 1),
+              "restarts": rep.get("restarts"), "returncode": proc.returncode,
+              "bit_identical": rep.get("params_sha256") == ref["params_sha256"]}
+    (args.out / "chaos.json").write_text(json.dumps(result, indent=1))  # step 3
+    print(json.dumps(result, indent=1))
+    if proc.returncode != 0:
+        print(stdout[-2000:], stderr[-2000:], file=sys.stderr)
+    return 0 if result["bit_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
