@@ -7,8 +7,9 @@ Steps:
 2. the same run under ``--max-restarts N`` (``GRADPRESS_TIMEOUT`` short, so a stopped process is
    noticed): ``--failures`` times, at a random step past the next checkpoint, a random worker or
    the server is sent SIGKILL, or a random worker SIGSTOP (kinds drawn without replacement
-   from three copies of each); the next failure waits for the restarted job's first
-   record;
+   from three copies of each); with ``--during-write`` the first failure is a SIGKILL of worker
+   1 while a checkpoint is being written (its directory exists, its ``meta.json`` not yet);
+   the next failure waits for the restarted job's first record;
 3. prints, and writes as JSON, each failure (what, when, the seconds from the failure to the
    restarted job's first record), the seconds lost per failure (wall time over the reference's,
    divided by the failures) and whether the final parameters equal the reference's bit for bit.
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,8 +75,31 @@ def _wait(cond, proc: subprocess.Popen, what: str, limit: float = 300) -> None:
         time.sleep(0.02)
 
 
+def _kill_during_write(args, out, proc, marker) -> dict:
+    """Step 2, kind "write": SIGKILL worker 1 while the next checkpoint is being written (its
+    directory exists, its meta.json not yet), once a complete checkpoint exists to fall back to;
+    says whether the kill landed inside the write."""
+    _wait(lambda: last_step(out / "metrics.jsonl") > args.every, proc, "the first checkpoint")
+    now = last_step(out / "metrics.jsonl")
+    ckpt = out / "checkpoints" / f"step-{(now // args.every + 1) * args.every}"
+    _wait(ckpt.exists, proc, f"{ckpt.name} to be started")
+    pid = _pid(marker, "worker", 1)
+    if pid is None:
+        raise RuntimeError("no worker 1 found")
+    starts = _starts(out)
+    os.kill(pid, signal.SIGKILL)
+    inside = not (ckpt / "meta.json").exists()
+    t0, now = time.monotonic(), last_step(out / "metrics.jsonl")
+    _wait(lambda: _starts(out) > starts, proc, "the restarted job's first record")
+    return {"role": "worker", "rank": 1, "signal": "SIGKILL", "step": now,
+            "during_write": ckpt.name if inside else None,
+            "recovery_s": round(time.monotonic() - t0, 2)}
+
+
 def _fail_once(args, out, proc, marker, rng, kind) -> dict:
     """Steps 2: one failure past the next checkpoint; returns what happened and the recovery."""
+    if kind == "write":
+        return _kill_during_write(args, out, proc, marker)
     now = last_step(out / "metrics.jsonl")
     at = min(args.steps - 2, (now // args.every + 1) * args.every + rng.randrange(1, args.every))
     _wait(lambda: last_step(out / "metrics.jsonl") >= at, proc, f"step {at}")
@@ -99,8 +124,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", default="15", help="GRADPRESS_TIMEOUT of the chaos run")
     p.add_argument("--out", type=Path, default=Path("runs/chaos"))
+    p.add_argument("--during-write", action="store_true",
+                   help="the first failure kills worker 1 while a checkpoint is being written")
     args = p.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    shutil.rmtree(args.out, ignore_errors=True)  # the polls must not read an earlier run's files
     t0 = time.monotonic()  # step 1
     subprocess.run(_cmd(args, args.out / "reference"), env=env, check=True,
                    capture_output=True, timeout=900)
@@ -114,6 +142,7 @@ def main() -> int:
                             start_new_session=True)
     try:
         kinds = rng.sample(KINDS * args.failures, args.failures)  # random, every kind likely
+        kinds = ["write"] + kinds[1:] if args.during_write else kinds
         failures = [_fail_once(args, out, proc, marker, rng, k) for k in kinds]
         stdout, stderr = proc.communicate(timeout=900)
     finally:
