@@ -6,8 +6,8 @@ Steps:
    a checkpoint every ``--every`` steps) gives ``params_sha256`` and its wall time;
 2. the same run under ``--max-restarts N`` (``GRADPRESS_TIMEOUT`` short, so a stopped process is
    noticed): ``--failures`` times, at a random step past the next checkpoint, a random worker or
-   the server is sent SIGKILL, or a random worker SIGSTOP (kinds drawn without replacement
-   from three copies of each); with ``--during-write`` the first failure is a SIGKILL of worker
+   the server is sent SIGKILL or SIGSTOP (kinds drawn without replacement from
+   ``--failures`` copies of each); with ``--during-write`` the first failure is a SIGKILL of worker
    1 while a checkpoint is being written (its directory exists, its ``meta.json`` not yet);
    the next failure waits for the restarted job's first record;
 3. prints, and writes as JSON, each failure (what, when, the seconds from the failure to the
@@ -37,7 +37,8 @@ from pathlib import Path
 from gradpress.train.report import read_metrics
 from gradpress.train.restarts import last_step
 
-KINDS = [("worker", signal.SIGKILL), ("server", signal.SIGKILL), ("worker", signal.SIGSTOP)]
+KINDS = [("worker", signal.SIGKILL), ("server", signal.SIGKILL), ("worker", signal.SIGSTOP),
+         ("server", signal.SIGSTOP)]
 
 
 def _cmd(args: argparse.Namespace, out: Path, *extra: str) -> list[str]:
