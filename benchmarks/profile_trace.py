@@ -18,6 +18,8 @@ import statistics
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from push_pull import _union  # seconds covered by a set of intervals (benchmarks/ is on the path)
+
 __all__ = ["Span", "StepProfile", "Window", "marks", "profile", "profile_step", "profile_rows",
            "spans_of"]
 
@@ -85,15 +87,6 @@ def spans_of(trace: dict) -> list[Span]:
         out.append(Span(e["name"], start, start + e["dur"] / 1e6, int(a.get("key", -1)),
                         float(a.get("wait", 0.0))))
     return out
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
 
 
 def _inside(spans: list[Span], w: Window, names: tuple[str, ...]) -> list[Span]:

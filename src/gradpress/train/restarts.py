@@ -25,6 +25,7 @@ from typing import Any
 
 from .checkpoints import SUBDIR, checkpoint_step, checkpoints, resolve_resume
 from .config import TrainConfig
+from .report import read_metrics
 
 __all__ = ["INTERRUPTED", "trim_metrics", "last_step", "start_from", "run_with_restarts"]
 
@@ -32,21 +33,9 @@ __all__ = ["INTERRUPTED", "trim_metrics", "last_step", "start_from", "run_with_r
 INTERRUPTED = (130, 143)
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by the crash
-    return out
-
-
 def last_step(metrics: str | Path) -> int:
     """The highest step recorded in ``metrics.jsonl`` (0 when none)."""
-    return max((int(r["step"]) for r in _records(Path(metrics)) if r.get("kind") == "step"),
+    return max((int(r["step"]) for r in read_metrics(metrics) if r.get("kind") == "step"),
                default=0)
 
 
@@ -57,7 +46,7 @@ def trim_metrics(metrics: str | Path, step: int) -> None:
     path = Path(metrics)
     if not path.is_file():
         return
-    keep = [r for r in _records(path) if r.get("kind") == "start"
+    keep = [r for r in read_metrics(path) if r.get("kind") == "start"
             or (r.get("kind") in ("step", "eval", "plan") and int(r.get("step", 0)) <= step)]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
