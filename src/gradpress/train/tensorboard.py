@@ -97,10 +97,6 @@ class TensorBoardWriter:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._w: Any = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
 
-    @property
-    def closed(self) -> bool:
-        return self._w is None
-
     def write(self, record: Mapping[str, Any]) -> None:
         """Add the record's scalars (nothing after :meth:`close`)."""
         if self._w is None:
@@ -109,10 +105,6 @@ class TensorBoardWriter:
             self._w.add_scalar(tag, value, global_step=step)
         if record.get("kind") in ("summary", "end"):
             self._w.flush()  # the run's last record: on disk now, whatever happens next
-
-    def flush(self) -> None:
-        if self._w is not None:
-            self._w.flush()
 
     def close(self) -> None:
         """Flush and close the event file; later writes are ignored (a closed
