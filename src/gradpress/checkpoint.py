@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,13 @@ import torch
 
 from . import api
 from .ps.checkpointing import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
-from .torch.broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .torch.broadcast import (
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    load_optimizer_state,
+    shared_state_dict,
+)
 
 __all__ = ["save", "load", "extra", "resume_dir", "checkpoints_dir", "latest", "verify",
            "file_sha256"]
@@ -122,7 +129,8 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
         (path / META_FILE).unlink(missing_ok=True)
     api.barrier()
     blob: dict[str, Any] = {"format": FORMAT, "tag": tag, "step": step, "rank": rank,
-                            "engine": api.worker_state_dict(), "rng": _rng_state(),
+                            "engine": api.worker_state_dict(),
+                            "rng": rng_state(train_devices(model)),
                             "extra": extra}
     per_worker = _per_worker(optimizer)
     if rank == 0:
@@ -174,12 +182,12 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
     if rank == 0:  # step 2
         model.load_state_dict(blob["model"])
     if rank == 0 or per_worker:
-        optimizer.load_state_dict(blob["optimizer"])
+        load_optimizer_state(optimizer, blob["optimizer"])
     broadcast_parameters(model.state_dict(), root_rank=0)
     if not per_worker:
         broadcast_optimizer_state(optimizer, root_rank=0)
     api.load_worker_state_dict(blob["engine"])  # step 3
-    _set_rng_state(blob["rng"])
+    set_rng_state(blob["rng"], train_devices(model))
     rt.worker.checkpoint.server_state("load", str(path), meta["tag"])  # step 4
     return int(meta["step"])
 
@@ -260,9 +268,7 @@ def _check_meta(path: Path) -> dict[str, Any]:
 
 def _inner_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state without the per-worker codec part of a DistributedOptimizer."""
-    state = optimizer.state_dict()
-    state.pop("gradpress", None)
-    return state
+    return shared_state_dict(optimizer)
 
 
 def _per_worker(optimizer: torch.optim.Optimizer) -> bool:
@@ -280,17 +286,51 @@ def _spec(optimizer: torch.optim.Optimizer) -> str | None:
     return f"{spec.name}:{body}" if body else spec.name
 
 
-def _rng_state() -> dict[str, Any]:
+def train_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The CUDA devices this process trains on, by index: those of the model's parameters and
+    buffers, else the current CUDA device when CUDA is initialized, else none."""
+    found = {t.device for t in (*model.parameters(), *model.buffers()) if t.is_cuda}
+    if not found and torch.cuda.is_available() and torch.cuda.is_initialized():
+        found = {torch.device("cuda", torch.cuda.current_device())}
+    return sorted(found, key=lambda d: d.index or 0)
+
+
+def rng_state(devices: list[torch.device],
+              get_cuda: Callable[[torch.device], torch.Tensor] | None = None) -> dict[str, Any]:
+    """The CPU RNG state and, under ``"cuda_devices"``, the CUDA generator state of each of
+    ``devices`` (:func:`train_devices`) in that order: keyed by position, not by device index,
+    so a restore with another visible-device mapping (``CUDA_VISIBLE_DEVICES``) or another GPU
+    count sets the generators of the devices the resumed process trains on. ``get_cuda`` is
+    ``torch.cuda.get_rng_state`` (a parameter for tests)."""
+    get = get_cuda or torch.cuda.get_rng_state
     state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if devices:
+        state["cuda_devices"] = [get(d) for d in devices]
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], devices: list[torch.device],
+                  set_cuda: Callable[[torch.Tensor, torch.device], None] | None = None) -> None:
+    """Restore :func:`rng_state` output into the generators of ``devices`` (position by
+    position). A saved list of another length is a ValueError naming both counts; a process
+    that trains on no CUDA device ignores the saved CUDA state. A checkpoint written before
+    (``"cuda"``: every visible device by index) restores by index when the device counts
+    match. ``set_cuda`` is ``torch.cuda.set_rng_state`` (a parameter for tests)."""
+    put = set_cuda or torch.cuda.set_rng_state
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda_devices")
+    if saved is None and "cuda" in state and devices:  # older checkpoints
+        saved, devices = state["cuda"], [torch.device("cuda", i)
+                                         for i in range(torch.cuda.device_count())]
+    if saved is None or not devices:
+        return
+    if len(saved) != len(devices):
+        raise ValueError(f"the checkpoint holds the CUDA RNG state of {len(saved)} device(s), "
+                         f"this worker trains on {len(devices)} "
+                         f"({', '.join(map(str, devices))}); resume with as many GPUs per "
+                         f"worker as the saved run")
+    for s, d in zip(saved, devices):
+        put(s, d)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

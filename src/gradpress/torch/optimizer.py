@@ -340,10 +340,16 @@ class _Distributed:
         ``gradpress.shutdown()`` (no codec state left) only the wrapped optimizer's state remains.
         ``"gradpress_steps"`` is the number of steps taken (where the ``dense_steps`` phase is).
         """
+        return self._gp_state_dict(codec=True)
+
+    def _gp_state_dict(self, codec: bool) -> dict[str, Any]:
+        """:meth:`state_dict`; with ``codec=False`` without the ``"gradpress"`` entry, whose
+        residuals are then not copied to the CPU at all (what the broadcast and the checkpoint's
+        shared optimizer state take: :func:`~gradpress.torch.broadcast.shared_state_dict`)."""
         from .. import api
 
         state = super(self.__class__, self).state_dict()
-        if api.is_initialized():
+        if codec and api.is_initialized():
             names = set(self._gp_names.values()) | {_FLAG_NAME}
             if self._gp_fusion is not None:
                 names |= self._gp_fusion.names(("", DENSE_SUFFIX))
