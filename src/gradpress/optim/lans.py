@@ -18,10 +18,13 @@ from ._common import (
     Bucket,
     BucketedOptimizer,
     adam_denominators,
+    add_scaled_,
     check_fused,
     check_trust,
     direction,
+    divided,
     fused_layerwise_,
+    host_scalars,
     moments_,
     norms,
     scaled_by,
@@ -151,10 +154,11 @@ class LANS(BucketedOptimizer):
 
     @staticmethod
     def _normalized(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """New list ``g / ||g||`` per tensor, ``g`` itself where the norm is 0."""
+        """New list ``g / ||g||`` per tensor, ``g`` itself where the norm is 0 (the norms
+        reach the host in one copy, :func:`~gradpress.optim._common.host_scalars`)."""
         n = norms(grads)
         n = torch.where(n > 0, n, torch.ones_like(n)).to(grads[0].dtype)
-        return torch._foreach_div(grads, list(n.unbind()))
+        return divided(grads, *host_scalars(n))
 
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
         frozen = group.get("freeze_variance_after")
@@ -181,7 +185,9 @@ class LANS(BucketedOptimizer):
         xn = norms(b.params)
         q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
         q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
-        # Step 7: x -= lr*b1*q_r*r + lr*(1-b1)*q_c*c.
+        # Step 7: x -= lr*b1*q_r*r + lr*(1-b1)*q_c*c (both ratios reach the host in one copy).
         dtype = b.params[0].dtype
-        torch._foreach_addcmul_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
-        torch._foreach_addcmul_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))
+        s_r, s_c = host_scalars(scaled_by(q_r, -lr * beta1, dtype),
+                                scaled_by(q_c, -lr * (1.0 - beta1), dtype))
+        add_scaled_(b.params, r, s_r)
+        add_scaled_(b.params, c, s_c)
