@@ -106,7 +106,8 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
     1. agree on a tag (a fresh id from worker 0) and invalidate the directory's old
        ``meta.json``;
     2. every worker writes ``worker<rank>.pt`` atomically (temporary file, then rename):
-       its codec state (every tensor it push_pulled), RNG state and ``extra``; worker 0 adds
+       its codec state (every tensor it push_pulled), RNG state (CPU, and the CUDA generator
+       of each device the model is on, :func:`rng_state`) and ``extra``; worker 0 adds
        the model and the optimizer's state (without the per-worker codec part); every worker
        adds its own optimizer state when it differs between workers (an optimizer class with
        ``per_worker_state = True``, such as :class:`gradpress.optim.OneBitLANS`);
@@ -162,8 +163,10 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
        checksums of this worker's file and of the server files (:func:`verify`);
     2. worker 0 loads the model and the optimizer state and broadcasts both to every worker
        (the per-worker codec state is not broadcast; a per-worker optimizer state is loaded
-       by each worker from its own file instead);
-    3. every worker restores its own codec state and RNG state from ``worker<rank>.pt``;
+       by each worker from its own file instead); the state arrives through the CPU, each
+       tensor onto its parameter's device, after the old state is released;
+    3. every worker restores its own codec state and RNG state from ``worker<rank>.pt``
+       (the CUDA generators into the devices the model is on now, :func:`set_rng_state`);
     4. every server restores its keys (:func:`gradpress.load_server_state`).
 
     Call it after ``gradpress.init()`` and creating the model and optimizer, before the first
