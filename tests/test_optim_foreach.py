@@ -33,7 +33,7 @@ def _case(dtype: torch.dtype, seed: int = 0) -> tuple[list[torch.Tensor], list[l
 def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], grads: list[list]) -> None:
     for gs in grads:
         for p, g in zip(params, gs):
-            p.grad = g.clone()
+            p.grad = g.to(p.device, copy=True)
         opt.step()
 
 
@@ -127,3 +127,18 @@ def test_host_scalars_and_helpers() -> None:
     assert [t.tolist() for t in _common.divided([torch.tensor([4.0])], torch.tensor([2.0]))] \
         == [[2.0]]
     _common.add_scaled_([], [], torch.zeros(0))  # an empty bucket part is a no-op
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,make", CONFIGS, ids=IDS)
+def test_cuda_foreach_matches_cpu(name: str, make: Any) -> None:
+    """The device path (stacked scalars copied to the host once, multi-tensor ops with CUDA
+    lists and CPU scalars) against the CPU: equal to float32 rounding (CUDA fuses other
+    multiply-adds and sums the norms in another order)."""
+    a, grads = _case(torch.float32)
+    b = [p.detach().cuda().requires_grad_() for p in a]
+    _run(make(a), a, grads)
+    _run(make(b), b, grads)
+    for x, y in zip(a, b):
+        assert y.is_cuda
+        torch.testing.assert_close(y.detach().cpu(), x.detach(), rtol=1e-4, atol=1e-5)
