@@ -383,6 +383,10 @@ def test_pinned_keeper_holds_buffers_until_their_events_complete() -> None:
     assert len(keeper) == 2, "a's buffer dropped once its copy completed; b and c held"
     keeper.drain()
     assert len(keeper) == 0 and b.synced and c.synced and not a.synced
+    d = Ev()
+    keeper.keep(d, torch.zeros(1))
+    keeper.drain(wait=False)  # a failed engine: drop without waiting on the device
+    assert len(keeper) == 0 and not d.synced
 
 
 def test_hierarchical_staging_follows_check_out() -> None:

@@ -96,10 +96,11 @@ def on_stream(stream: Any) -> Iterator[None]:
 
     The thread's current device is first set to the stream's and left there (pool threads are
     the engine's own). Entering ``torch.cuda.stream(s)`` alone from a thread on another device
-    (a fresh thread is on device 0) switches device inside ``torch.cuda.device(s.device)`` and
-    restores the thread's device on the way out (torch/cuda/__init__.py: ``StreamContext.
-    __enter__``/``__exit__`` and ``device.__exit__``), which on a rank using GPU 1 touches
-    GPU 0. With the device set, ``StreamContext`` only swaps the device's current stream.
+    (a fresh thread is on device 0) records that device's current stream and leaving sets it
+    back with ``torch.cuda.set_stream`` (torch/cuda/__init__.py: ``StreamContext.__exit__``),
+    which makes device 0 current again (``torch._C._cuda_setStream`` selects the stream's
+    device): on a rank using GPU 1, a context on GPU 0. With the device set first,
+    ``StreamContext`` only swaps the current stream of one device. Not yet run on a GPU.
     """
     if stream is None:
         yield
@@ -130,11 +131,12 @@ class PinnedKeeper:
         with self._lock:
             return len(self._held)
 
-    def drain(self) -> None:
-        """Wait for every held copy and drop the buffers (at shutdown)."""
+    def drain(self, wait: bool = True) -> None:
+        """Drop every buffer, after waiting for its copy (``wait=False``: a failed engine, whose
+        device may not answer)."""
         with self._lock:
             held, self._held = list(self._held), deque()
-        for event, _ in held:
+        for event, _ in held if wait else ():
             event.synchronize()
 
 

@@ -215,7 +215,7 @@ class WorkerEngine:
             t.join(self.cfg.timeout)
         self._pool.shutdown(wait=self._error is None)
         self._buffers.clear()
-        self._pinned.drain()
+        self._pinned.drain(wait=self._error is None)
         if self._error is not None:
             return
         stop = pack_control(Control(OP_STOP))
