@@ -407,30 +407,3 @@ def test_nonfinite_gradients_are_zeroed_without_reading_them_on_the_host() -> No
     assert _any_set([torch.tensor(False), torch.tensor(True)]) is True
     assert _any_set([torch.tensor(False)] * 3) is False
 
-
-def test_shared_state_dict_leaves_the_codec_state_alone(monkeypatch) -> None:
-    # broadcast_optimizer_state drops the per-worker "gradpress" entry: computing it (CPU
-    # copies of every residual) only to discard it is what _gp_shared_state_dict avoids
-    from gradpress import api
-
-    model = torch.nn.Linear(3, 2)
-    opt = gp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                  named_parameters=model.named_parameters())
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)  # set, not from backward: no hook, no push
-    torch.optim.SGD.step(opt)  # momentum buffers exist: state to share
-    plain = opt.state_dict()  # not initialised: no "gradpress" entry
-    assert "gradpress" not in plain
-
-    def codec_state(names: Any = None) -> dict:
-        raise AssertionError("the codec state was computed")
-
-    monkeypatch.setattr(api, "is_initialized", lambda: True)
-    monkeypatch.setattr(api, "worker_state_dict", codec_state)
-    shared = opt._gp_shared_state_dict()
-    assert shared.keys() == plain.keys() and shared["gradpress_steps"] == 0
-    assert shared["param_groups"] == plain["param_groups"]
-    for k, v in plain["state"].items():
-        assert torch.equal(shared["state"][k]["momentum_buffer"], v["momentum_buffer"])
-    with pytest.raises(AssertionError, match="codec state"):
-        opt.state_dict()

@@ -291,17 +291,6 @@ class _Distributed:
         worker; see ``docs/guide.md``."""
         return optimizer_plan(self)
 
-    def _gp_shared_state_dict(self) -> dict[str, Any]:
-        """The state all workers share: the wrapped optimizer's and ``"gradpress_steps"``,
-        without this worker's codec state (its error-feedback residuals are never copied to
-        the host here). What :func:`~gradpress.torch.broadcast.broadcast_optimizer_state`
-        sends, which ``state_dict()`` would compute and then drop the ``"gradpress"`` part of."""
-        state = super(self.__class__, self).state_dict()
-        if self._gp_meter is not None:
-            state["gradpress_agreement"] = self._gp_meter.state_dict()
-        state["gradpress_steps"] = self._gp_steps
-        return state
-
     @property
     def step_skipped(self) -> bool:
         """Whether the last synchronize found a non-finite gradient (nan_policy='skip')."""
