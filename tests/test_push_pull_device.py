@@ -318,9 +318,10 @@ CUDA_WORKER = textwrap.dedent('''
         return final
 
     def syncs():
-        """Host synchronisations per chunk, counted two ways: torch's sync debug mode (warns on
-        stream/device synchronisations and blocking copies, not on Event.synchronize) and the
-        GPU trace callbacks (device, stream and event synchronisations), in every thread."""
+        """Host synchronisations per chunk, counted two ways, in every thread: torch's sync
+        debug mode (warns in memcpy_and_sync and stream_synchronize, torch/include/c10/cuda/
+        CUDAFunctions.h; not in Event.synchronize, c10/cuda/CUDAEvent.h) and the GPU trace
+        callbacks, which those three and device synchronisations all call."""
         counts = {"device": 0, "stream": 0, "event": 0}
         on = [False]
 

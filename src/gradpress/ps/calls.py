@@ -114,7 +114,11 @@ def on_stream(stream: Any) -> Iterator[None]:
 
 class PinnedKeeper:
     """Keeps pinned host buffers alive until the CUDA event recorded after their last
-    asynchronous copy completed (polled with ``Event.query``, which never blocks)."""
+    asynchronous copy completed (polled with ``Event.query``, which never blocks).
+
+    ATen's copy kernel also records an event with the caching host allocator for a pinned
+    block used in a ``non_blocking`` copy (torch/include/ATen/cuda/CachingHostAllocator.h);
+    holding the buffer here does not depend on that."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
