@@ -409,3 +409,64 @@ def test_hierarchical_staging_follows_check_out() -> None:
     big = torch.ones(16)
     with pytest.raises(ValueError, match="overlaps"):
         _stage(big[:8], big[4:12], "g")
+
+
+@pytest.mark.parametrize("device_mode", [False, True], ids=["host", "device"])
+def test_cuda_chunk_branches_order_their_stream_work(monkeypatch, device_mode: bool) -> None:
+    # compress_chunk / decode_chunk's CUDA branches on CPU tensors, with a stand-in stream:
+    # the copy stream waits on the submit event before touching x, every device tensor it uses
+    # gets record_stream, the host waits on one event per chunk on the way out (host mode; in
+    # device mode the codec's own copy does) and on none on the way back
+    import contextlib
+    from types import SimpleNamespace
+
+    from gradpress.compress import build
+    from gradpress.ps import calls
+
+    log: list = []
+
+    class Ev:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def synchronize(self) -> None:
+            log.append(("host waits", self.n))
+
+        def query(self) -> bool:
+            return False
+
+    class Stream(_FakeStream):
+        def wait_event(self, event: object) -> None:
+            log.append(("stream waits", event))
+
+        def record_event(self) -> Ev:
+            log.append("event")
+            return Ev(len(log))
+
+    @contextlib.contextmanager
+    def on_stream(stream: object):
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    monkeypatch.setattr(calls, "on_stream", on_stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: log.append(("record_stream", self.data_ptr())))
+    n = 10
+    codec = build("none", n)
+    chunk = SimpleNamespace(enc=codec, dec=codec, key=7, server_name="server 0", label="k")
+    x, out = torch.arange(n, dtype=torch.float32), torch.zeros(n)
+    send = torch.empty(codec.payload_bytes, dtype=torch.uint8)
+    job = calls.ChunkJob(chunk, x, out, None, None, Stream(0), "ready", step=3, send=send)
+    calls.compress_chunk(job, device_mode)
+    pushed = ["enter", ("stream waits", "ready"), ("record_stream", x.data_ptr())]
+    assert log == (pushed + ["exit"] if device_mode else pushed + ["event", "exit",
+                                                                   ("host waits", 4)]), log
+    log.clear()
+    job.recv = send.clone()  # "none": the reply of one worker is its own push
+    keeper = calls.PinnedKeeper()
+    done = calls.decode_chunk(job, device_mode, keeper)
+    assert log == ["enter", ("record_stream", out.data_ptr()), "event", "exit"], log
+    assert isinstance(done, Ev) and done.n == 3, "the result's event goes to the handle"
+    assert torch.equal(out, x)
+    assert len(keeper) == (0 if device_mode else 1), "host mode holds the pinned buffer"
