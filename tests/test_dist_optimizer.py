@@ -377,3 +377,33 @@ def test_factories_decay_matrices_only(factory) -> None:
     want = [(model[1].weight, 0.05), (model[2].weight, 0.05), (model[0].weight, 0.0),
             (model[0].bias, 0.0), (model[1].bias, 0.0)]
     assert [(id(p), wd) for p, wd in flat] == [(id(p), wd) for p, wd in want]
+
+
+def test_gradients_are_averaged_in_place_on_any_device_when_float32() -> None:
+    from gradpress.torch.optimizer import _in_place
+
+    for device in ("cpu", "meta"):  # meta stands in for CUDA: the rule is the same
+        g = torch.empty(3, 4, device=device)
+        assert _in_place(g) is g, device
+        assert _in_place(g.to(torch.float16)) is None, device  # another dtype: a copy
+        assert _in_place(g.t()) is None, device  # not contiguous
+
+
+def test_nonfinite_gradients_are_zeroed_without_reading_them_on_the_host() -> None:
+    from gradpress.torch.optimizer import _any_set, _zero_if_nonfinite
+
+    g = torch.tensor([1.0, float("inf"), 3.0])
+    bad = _zero_if_nonfinite(g)
+    assert torch.equal(g, torch.zeros(3)) and bad.shape == () and bool(bad)
+    ok = torch.tensor([1.0, -2.0])
+    assert not bool(_zero_if_nonfinite(ok)) and torch.equal(ok, torch.tensor([1.0, -2.0]))
+    nan = torch.tensor([float("nan")], dtype=torch.bfloat16)
+    assert bool(_zero_if_nonfinite(nan)) and nan.item() == 0
+    # a meta tensor has no values: any host read (bool(), .item()) of the flag would raise,
+    # as the per-parameter check it replaces did; the one read is _any_set's, per step
+    m = _zero_if_nonfinite(torch.empty(1000, device="meta"))
+    assert m.device.type == "meta"
+    assert _any_set([]) is False
+    assert _any_set([torch.tensor(False), torch.tensor(True)]) is True
+    assert _any_set([torch.tensor(False)] * 3) is False
+

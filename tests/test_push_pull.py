@@ -123,7 +123,8 @@ WORKER = textwrap.dedent('''
     x = torch.ones(8)
     for out, exc, word in ((torch.ones(8, dtype=torch.float64), TypeError, "float32"),
                            (torch.ones(4, 4).t(), TypeError, "contiguous"),
-                           (torch.ones(7), ValueError, "7 elements")):
+                           (torch.ones(7), ValueError, "7 elements"),
+                           (torch.empty(8, device="meta"), TypeError, "on cpu (the tensor")):
         try:
             gp.push_pull(x, "badout", out=out)
             raise AssertionError(f"push_pull accepted out={out!r}")
@@ -269,3 +270,203 @@ def test_spec_mismatch_and_timeout_errors_name_key_peer_and_stage(tmp_path: Path
     assert "stage: pull" in first and "server" in first and "(rank " in first, first
     assert second.startswith("ConfigMismatchError") and "'m'" in second, second
     assert "fp16" in second and "none" in second, second
+
+
+# -- the CUDA stream logic of ps/calls.py, checked on CPU with stand-ins --------------------------
+class _FakeStream:
+    def __init__(self, index: int) -> None:
+        self.device = torch.device("cuda", index)
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+def test_on_stream_puts_the_pool_thread_on_the_streams_device(monkeypatch) -> None:
+    # torch.cuda.stream(s) alone, entered from a thread on device 0 for a stream on device 1,
+    # switches device inside and restores device 0 on the way out (StreamContext): on_stream
+    # must move the thread to the stream's device first and leave it there
+    from gradpress.ps import calls
+
+    calls_seen: list[tuple] = []
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    def set_device(i: int) -> None:
+        calls_seen.append(("set_device", i))
+        current[0] = i
+
+    class Ctx:
+        def __init__(self, s: _FakeStream) -> None:
+            self.s = s
+
+        def __enter__(self) -> None:
+            calls_seen.append(("enter", self.s.device.index, current[0]))
+
+        def __exit__(self, *exc: object) -> None:
+            calls_seen.append(("exit", self.s.device.index, current[0]))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "stream", Ctx)
+    with calls.on_stream(_FakeStream(1)):
+        pass
+    assert calls_seen == [("set_device", 1), ("enter", 1, 1), ("exit", 1, 1)]
+    assert current[0] == 1, "the thread stays on the stream's device"
+    calls_seen.clear()
+    with calls.on_stream(_FakeStream(1)):  # already there: no device switch at all
+        pass
+    assert calls_seen == [("enter", 1, 1), ("exit", 1, 1)]
+    calls_seen.clear()
+    with calls.on_stream(None):
+        pass
+    assert calls_seen == []
+
+
+def test_handle_makes_the_callers_stream_wait_on_the_chunks_events(monkeypatch) -> None:
+    from gradpress.ps.calls import Handle
+
+    stream = _FakeStream(0)
+    asked: list[object] = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: asked.append(device) or stream)
+    out = torch.arange(6, dtype=torch.float32)
+    h = Handle("g", out, torch.Size([2, 3]), torch.float32, torch.device("cpu"), 3)
+    h._chunk_done("ev0")
+    h._chunk_done(None)  # a chunk without device copies
+    assert not h.done() and stream.waited == []
+    h._chunk_done("ev2")
+    y = h.wait()
+    assert stream.waited == ["ev0", "ev2"], "the caller's stream waits; the host does not"
+    assert asked == [torch.device("cpu")]  # the result's device
+    assert y.shape == (2, 3) and y.data_ptr() == out.data_ptr()
+    plain = Handle("p", out, torch.Size([6]), torch.float32, torch.device("cpu"), 1)
+    plain._chunk_done()
+    plain.wait()
+    assert asked == [torch.device("cpu")], "no events: no stream is asked for"
+
+
+def test_handle_copies_a_staged_result_into_dest_at_wait() -> None:
+    from gradpress.ps.calls import Handle
+
+    staged = torch.arange(6, dtype=torch.float32)
+    dest = torch.full((3, 2), float("nan"))
+    h = Handle("g", staged, dest.shape, dest.dtype, dest.device, 1, dest=dest)
+    h._chunk_done()
+    assert torch.isnan(dest).all(), "nothing written before wait"
+    y = h.wait()
+    assert y.data_ptr() == dest.data_ptr() and y.shape == (3, 2)
+    assert torch.equal(dest.reshape(-1), staged)
+    staged.zero_()
+    assert h.wait() is y and torch.equal(dest.reshape(-1), torch.arange(6.0)), "copied once"
+
+
+def test_pinned_keeper_holds_buffers_until_their_events_complete() -> None:
+    from gradpress.ps.calls import PinnedKeeper
+
+    class Ev:
+        def __init__(self) -> None:
+            self.complete, self.synced = False, False
+
+        def query(self) -> bool:
+            return self.complete
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+    keeper = PinnedKeeper()
+    a, b, c = Ev(), Ev(), Ev()
+    keeper.keep(a, torch.zeros(1))
+    keeper.keep(b, torch.zeros(1))
+    assert len(keeper) == 2
+    a.complete = True
+    keeper.keep(c, torch.zeros(1))
+    assert len(keeper) == 2, "a's buffer dropped once its copy completed; b and c held"
+    keeper.drain()
+    assert len(keeper) == 0 and b.synced and c.synced and not a.synced
+    d = Ev()
+    keeper.keep(d, torch.zeros(1))
+    keeper.drain(wait=False)  # a failed engine: drop without waiting on the device
+    assert len(keeper) == 0 and not d.synced
+
+
+def test_hierarchical_staging_follows_check_out() -> None:
+    from gradpress.ps.hierarchy import _stage
+
+    x = torch.arange(8, dtype=torch.float32)
+    flat, dest = _stage(x, x, "g")  # in place on the CPU: the tensor itself is reduced
+    assert flat.data_ptr() == x.data_ptr() and dest is None
+    buf = torch.full((2, 4), float("nan"))
+    flat, dest = _stage(x, buf, "g")  # a separate CPU out: filled now, reduced in place
+    assert flat.data_ptr() == buf.data_ptr() and dest is None and torch.equal(flat, x)
+    flat, dest = _stage(x, None, "g")  # no out: a copy, never the input
+    assert flat.data_ptr() != x.data_ptr() and torch.equal(flat, x) and dest is None
+    h16 = x.to(torch.float16)
+    flat, dest = _stage(h16, None, "g")
+    assert flat.dtype == torch.float32 and torch.equal(flat, x)
+    # out on another device than the tensor: rejected as the flat pipeline rejects it
+    with pytest.raises(TypeError, match=r"'g'.*float32 tensor on cpu.*on meta"):
+        _stage(x, torch.empty(8, device="meta"), "g")
+    big = torch.ones(16)
+    with pytest.raises(ValueError, match="overlaps"):
+        _stage(big[:8], big[4:12], "g")
+
+
+@pytest.mark.parametrize("device_mode", [False, True], ids=["host", "device"])
+def test_cuda_chunk_branches_order_their_stream_work(monkeypatch, device_mode: bool) -> None:
+    # compress_chunk / decode_chunk's CUDA branches on CPU tensors, with a stand-in stream:
+    # the copy stream waits on the submit event before touching x, every device tensor it uses
+    # gets record_stream, the host waits on one event per chunk on the way out (host mode; in
+    # device mode the codec's own copy does) and on none on the way back
+    import contextlib
+    from types import SimpleNamespace
+
+    from gradpress.compress import build
+    from gradpress.ps import calls
+
+    log: list = []
+
+    class Ev:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def synchronize(self) -> None:
+            log.append(("host waits", self.n))
+
+        def query(self) -> bool:
+            return False
+
+    class Stream(_FakeStream):
+        def wait_event(self, event: object) -> None:
+            log.append(("stream waits", event))
+
+        def record_event(self) -> Ev:
+            log.append("event")
+            return Ev(len(log))
+
+    @contextlib.contextmanager
+    def on_stream(stream: object):
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    monkeypatch.setattr(calls, "on_stream", on_stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: log.append(("record_stream", self.data_ptr())))
+    n = 10
+    codec = build("none", n)
+    chunk = SimpleNamespace(enc=codec, dec=codec, key=7, server_name="server 0", label="k")
+    x, out = torch.arange(n, dtype=torch.float32), torch.zeros(n)
+    send = torch.empty(codec.payload_bytes, dtype=torch.uint8)
+    job = calls.ChunkJob(chunk, x, out, None, None, Stream(0), "ready", step=3, send=send)
+    calls.compress_chunk(job, device_mode)
+    pushed = ["enter", ("stream waits", "ready"), ("record_stream", x.data_ptr())]
+    assert log == (pushed + ["exit"] if device_mode else pushed + ["event", "exit",
+                                                                   ("host waits", 4)]), log
+    log.clear()
+    job.recv = send.clone()  # "none": the reply of one worker is its own push
+    keeper = calls.PinnedKeeper()
+    done = calls.decode_chunk(job, device_mode, keeper)
+    assert log == ["enter", ("record_stream", out.data_ptr()), "event", "exit"], log
+    assert isinstance(done, Ev) and done.n == 3, "the result's event goes to the handle"
+    assert torch.equal(out, x)
+    assert len(keeper) == (0 if device_mode else 1), "host mode holds the pinned buffer"

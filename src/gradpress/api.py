@@ -215,7 +215,9 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
     """Sum (or average) ``tensor`` over all workers; every worker gets identical values.
 
     Args:
-        tensor: a floating-point tensor (any shape, device; travels as float32 on CPU).
+        tensor: a floating-point tensor (any shape, device); the result has its shape, dtype
+            and device. On CUDA the result is ready for work queued on the caller's current
+            stream after this returns (other streams must wait on that stream).
         name: identifies the tensor on all workers (keys are derived from it).
         average: divide the sum by the number of workers (on the server).
         compression: codec spec (``"onebit"``, ``"topk:k=0.001"``, a BytePS-style dict);
@@ -231,8 +233,10 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
         min_compress_bytes: tensors smaller than this travel uncompressed (default from the
             config, 1 MiB).
         out: write the result here and return it (viewed with its own shape) instead of a new
-            tensor: a contiguous float32 CPU tensor with the input's number of elements. It may
-            be ``tensor`` itself (in place, no extra memory); it must not overlap it otherwise.
+            tensor: a contiguous float32 tensor on ``tensor``'s device with the input's number
+            of elements. It may be ``tensor`` itself (in place, no extra result buffer); it
+            must not overlap it otherwise. The same rule holds with hierarchical aggregation,
+            where a device ``out`` is filled when the handle is waited for.
     """
     return push_pull_async(tensor, name, average, compression, ef, lr=lr,
                            min_compress_bytes=min_compress_bytes, out=out).wait()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +21,11 @@ from ..compress.registry import pick_ef
 from ..compress.spec import CodecSpec, EFSpec, parse_ef, parse_spec
 from .config import PSConfig
 from .errors import CommTimeoutError
-from .protocol import CTRL_BYTES, KeyDescriptor
+from .protocol import CTRL_BYTES, KeyDescriptor, decode_reply
 from .transport import Transfer
 
-__all__ = ["resolve_codec", "check_out", "flat_fp32", "host_buffer", "on_stream", "Handle",
-           "Plan", "ChunkState", "ChunkJob"]
+__all__ = ["resolve_codec", "check_out", "flat_fp32", "host_buffer", "on_stream", "PinnedKeeper",
+           "compress_chunk", "decode_chunk", "Handle", "Plan", "ChunkState", "ChunkJob"]
 
 
 def resolve_codec(compression: str | Mapping[str, Any] | CodecSpec | None,
@@ -89,9 +90,58 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.numel(), dtype=torch.float32, pin_memory=like.is_cuda)
 
 
-def on_stream(stream: Any) -> contextlib.AbstractContextManager:
-    """Run a chunk's device work on the CUDA stream recorded at submit (no-op without one)."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    """Run a pool thread's device work on CUDA ``stream`` (a no-op for None).
+
+    The thread's current device is first set to the stream's and left there (pool threads are
+    the engine's own). Entering ``torch.cuda.stream(s)`` alone from a thread on another device
+    (a fresh thread is on device 0) records that device's current stream and leaving sets it
+    back with ``torch.cuda.set_stream`` (torch/cuda/__init__.py: ``StreamContext.__exit__``),
+    which makes device 0 current again (``torch._C._cuda_setStream`` selects the stream's
+    device): on a rank using GPU 1, a context on GPU 0. With the device set first,
+    ``StreamContext`` only swaps the current stream of one device. Not yet run on a GPU.
+    """
+    if stream is None:
+        yield
+        return
+    index = stream.device.index
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+    with torch.cuda.stream(stream):
+        yield
+
+
+class PinnedKeeper:
+    """Keeps pinned host buffers alive until the CUDA event recorded after their last
+    asynchronous copy completed (polled with ``Event.query``, which never blocks).
+
+    ATen's copy kernel also records an event with the caching host allocator for a pinned
+    block used in a ``non_blocking`` copy (torch/include/ATen/cuda/CachingHostAllocator.h);
+    holding the buffer here does not depend on that."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: deque[tuple[Any, torch.Tensor]] = deque()
+
+    def keep(self, event: Any, buf: torch.Tensor) -> None:
+        """Hold ``buf`` until ``event`` completed; drop the buffers already done."""
+        with self._lock:
+            self._held.append((event, buf))
+            while self._held and self._held[0][0].query():
+                self._held.popleft()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def drain(self, wait: bool = True) -> None:
+        """Drop every buffer, after waiting for its copy (``wait=False``: a failed engine, whose
+        device may not answer)."""
+        with self._lock:
+            held, self._held = list(self._held), deque()
+        for event, _ in held if wait else ():
+            event.synchronize()
 
 
 class Handle:
@@ -99,13 +149,22 @@ class Handle:
 
     The result has the input's shape, dtype and device. Do not modify the input tensor before
     the handle completes: its chunks are read while they are compressed.
+
+    On CUDA the handle completes when every chunk's result is queued on the engine's copy
+    stream; :meth:`wait` then makes the caller's current stream wait for the chunks' events
+    (``Stream.wait_event``, torch/cuda/streams.py) rather than blocking the host, so the result
+    is ready for work queued on that stream (other streams must wait on it themselves).
+    ``dest`` (hierarchical aggregation, a device ``out=``): the result staged in ``out`` on
+    the host is copied into ``dest`` on the caller's current stream at :meth:`wait`.
     """
 
     def __init__(self, name: str, out: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
                  device: torch.device, nchunks: int,
-                 on_done: Callable[[Handle], None] | None = None) -> None:
+                 on_done: Callable[[Handle], None] | None = None,
+                 dest: torch.Tensor | None = None) -> None:
         self.name = name
         self._out = out
+        self._dest = dest
         self._shape = shape
         self._dtype = dtype
         self._device = device
@@ -116,6 +175,7 @@ class Handle:
         self._on_done = on_done
         self._result: torch.Tensor | None = None
         self._finished = False
+        self._cuda_events: list[Any] = []  # one per chunk, recorded on the copy stream
 
     def done(self) -> bool:
         """Whether the result (or an error) is ready; never blocks."""
@@ -131,7 +191,7 @@ class Handle:
         return self._error
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Block until done and return the result; re-raise the pipeline's error.
+        """Wait until done and return the result; re-raise the pipeline's error.
 
         ``timeout`` (seconds) bounds this wait; None waits for the pipeline, whose every stage
         is bounded by ``GRADPRESS_TIMEOUT``.
@@ -141,19 +201,32 @@ class Handle:
                                    f"{timeout:g} s", key=self.name, stage="wait")
         if self._error is not None:
             raise self._error
+        if self._cuda_events:
+            stream = torch.cuda.current_stream(self._device)
+            for ev in self._cuda_events:
+                stream.wait_event(ev)
         if self._result is None:
-            res = self._out.view(self._shape)
-            if res.dtype != self._dtype or res.device != self._device:
-                res = res.to(device=self._device, dtype=self._dtype)
-            self._result = res
+            self._result = self._materialise()
         return self._result
+
+    def _materialise(self) -> torch.Tensor:
+        if self._dest is not None:
+            self._dest.reshape(-1).copy_(self._out)
+            return self._dest.view(self._shape)
+        res = self._out.view(self._shape)
+        if res.dtype != self._dtype or res.device != self._device:
+            res = res.to(device=self._device, dtype=self._dtype)
+        return res
 
     def wait_quietly(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds, ignoring the outcome (used before reuse/shutdown)."""
         self._event.wait(timeout)
 
-    def _chunk_done(self) -> None:
+    def _chunk_done(self, cuda_event: Any = None) -> None:
+        """A chunk landed (``cuda_event``: recorded after its device copies, if any)."""
         with self._lock:
+            if cuda_event is not None:
+                self._cuda_events.append(cuda_event)
             self._pending -= 1
             last = self._pending <= 0 and not self._finished
             self._finished |= last
@@ -221,10 +294,63 @@ class ChunkJob:
     out: torch.Tensor
     handle: Handle
     lr: float | None
-    stream: Any = None  # the CUDA stream current at submit (None for other devices)
+    stream: Any = None  # CUDA: the engine's copy stream of the tensor's device (else None)
+    ready: Any = None  # CUDA: event recorded on the caller's current stream at submit
     step: int = 0
     send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
     recv: torch.Tensor | None = None
     ops: list[Transfer] = field(default_factory=list)
     recv_op: Transfer | None = None
     t_sent: float = 0.0
+
+
+# -- a chunk's two device crossings (ps/worker.py's module docstring: the stream model) ---------
+def compress_chunk(job: ChunkJob, device_mode: bool) -> None:
+    """Step 2: compress ``job.x`` into ``job.send`` (on the host, or where it lives when
+    ``device_mode``); on CUDA after the event recorded at submit, on the engine's copy stream."""
+    chunk, x, send = job.chunk, job.x, job.send
+    kw = {"key": chunk.key, "step": job.step, "lr": job.lr}
+    if job.stream is None:  # CPU (or a device without streams: a blocking copy)
+        src = x if x.device.type == "cpu" or device_mode else x.to("cpu", copy=True)
+        chunk.enc.compress(src, out=send, **kw)
+        return
+    with on_stream(job.stream):
+        job.stream.wait_event(job.ready)  # the kernels that produced x, queued before submit
+        if device_mode:  # the codec writes the header on the host and copies the payload
+            chunk.enc.compress(x, out=send, **kw)  # into send: its one synchronisation
+            x.record_stream(job.stream)
+            return
+        host = host_buffer(x)
+        host.copy_(x, non_blocking=True)
+        x.record_stream(job.stream)  # the caller may free x before the copy ran
+        copied = job.stream.record_event()
+    copied.synchronize()  # the one host synchronisation of this chunk on the way out
+    chunk.enc.compress(host, out=send, **kw)
+
+
+def decode_chunk(job: ChunkJob, device_mode: bool, pinned: PinnedKeeper) -> Any:
+    """Step 5: validate the reply in ``job.recv`` and decode it into ``job.out``; on CUDA
+    return the event recorded on the copy stream once ``job.out`` is written (the host does
+    not wait for it), else None."""
+    chunk, out, payload = job.chunk, job.out, job.recv
+    kw = {"key": chunk.key, "step": job.step, "sender": chunk.server_name, "label": chunk.label}
+    if job.stream is None:
+        on_host = out.device.type == "cpu" or device_mode
+        dst = out if on_host else torch.empty_like(out, device="cpu")
+        decode_reply(chunk.dec, payload, dst, **kw)  # type: ignore[arg-type]
+        if dst is not out:
+            out.copy_(dst)
+        return None
+    host = None if device_mode else host_buffer(out)
+    if host is not None:
+        decode_reply(chunk.dec, payload, host, **kw)  # type: ignore[arg-type]
+    with on_stream(job.stream):
+        if host is None:  # the codec copies the payload to the device and decodes there
+            decode_reply(chunk.dec, payload, out, **kw)  # type: ignore[arg-type]
+        else:
+            out.copy_(host, non_blocking=True)  # from pinned memory: asynchronous
+        out.record_stream(job.stream)
+        done = job.stream.record_event()
+    if host is not None:
+        pinned.keep(done, host)  # the copy reads host until done
+    return done

@@ -15,6 +15,10 @@ collectives of one tensor overlap with those of the next and every worker of the
 them in the same order. All workers of a node must call ``push_pull`` in the same order.
 Results are identical on all workers (the leader's bytes are broadcast); with ``none`` they
 equal the plain sum up to the summation order of the local reduce.
+
+The collectives run on float32 host buffers: a device tensor is copied down at ``submit`` (on
+the caller's current stream, blocking) and its result copied back at ``wait``, into ``out=``
+when one is given (on the tensor's device, as in the flat pipeline).
 """
 
 from __future__ import annotations
@@ -35,6 +39,27 @@ from .errors import GradpressError
 from .worker import WorkerEngine
 
 __all__ = ["HierarchicalEngine"]
+
+
+def _stage(tensor: torch.Tensor, out: torch.Tensor | None,
+           name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 CPU buffer the node's collectives work on in place, and where the result
+    goes at ``wait`` when that is not the buffer itself (a device ``out=``; else None).
+
+    ``out`` follows :func:`~gradpress.ps.calls.check_out` as in the flat pipeline: on the
+    tensor's device, possibly the tensor itself. A CPU ``out`` is the buffer; otherwise the
+    buffer is a CPU copy (the input is never modified unless it is ``out``).
+    """
+    src = flat_fp32(tensor, name, keep_device=True)
+    dest = None if out is None else check_out(out, src, name)
+    if dest is not None and dest.device.type == "cpu":
+        if dest.data_ptr() != src.data_ptr():
+            dest.copy_(src)
+        return dest, None
+    flat = src.cpu()  # on the caller's current stream (blocking) for a device tensor
+    if flat.numel() and flat.data_ptr() == tensor.data_ptr():
+        flat = flat.clone()
+    return flat, dest
 
 
 class HierarchicalEngine:
@@ -76,17 +101,12 @@ class HierarchicalEngine:
         self.engine.check_call(name, kwargs.get("compression"), kwargs.get("ef"),
                                kwargs.get("lr"))
         out = kwargs.pop("out", None)
-        src = flat_fp32(tensor, name)
-        if out is None:  # reduced in place: copy unless flat_fp32 already made a copy
-            flat = src.clone() if src.data_ptr() == tensor.data_ptr() else src
-            like = tensor
-        else:
-            flat, like = check_out(out, src, name), out
-            if flat.data_ptr() != src.data_ptr():
-                flat.copy_(src)
+        flat, dest = _stage(tensor, out, name)
+        like = tensor if out is None else out
         # the leader's engine counts its own calls; the others count theirs here
         on_done = None if self.is_leader else self._count
-        handle = Handle(name, flat, like.shape, like.dtype, like.device, 1, on_done=on_done)
+        handle = Handle(name, flat, like.shape, like.dtype, like.device, 1, on_done=on_done,
+                        dest=dest)
         self._reduce_q.put((flat, name, kwargs, handle))
         return handle
 

@@ -21,20 +21,25 @@ Where compression runs: ``PSConfig.compress_on`` (env ``GRADPRESS_COMPRESS_ON``)
 where the tensor lives until the pool picks them up; the result has the tensor's device (so must
 ``out=``). Servers always work on the host.
 
-* ``"host"`` (default): numba kernels on CPU. A chunk of a GPU tensor is copied at step 2, in the
-  pool thread, into a host buffer (pinned on CUDA) and compressed there; at step 5 the reply is
-  decoded on the host and copied into the chunk's slice of the device result. So chunk i+1's
-  copy overlaps chunk i's compression and transfer.
+* ``"host"`` (default): numba kernels on CPU. A chunk of a GPU tensor is copied to a pinned host
+  buffer and compressed there; the reply is decoded on the host and copied into the chunk's
+  slice of the device result.
 * ``"device"``: worker codecs use the torch-op kernels (``backend="torch"``: same payload bytes,
   topk ties aside), run where the tensor lives, error-feedback residual included; only the
-  payload crosses to the host. The reply is copied to the device and decoded straight into the
-  result. On CPU tensors this runs the torch kernels on CPU, which is how the tests cover it.
+  payload crosses to the host. On CPU tensors this runs the torch kernels on CPU, which is how
+  the tests cover it.
 
-On CUDA a chunk's copies and kernels run on the stream current at ``submit`` (after the kernels
-that produced the gradient) and every copy blocks, so host buffers are safe to reuse and the
-result is complete when the handle is. These CUDA branches were written without a GPU at hand;
-``tests/test_push_pull_device.py`` runs them where one is present. Wire buffers stay pageable:
-device payloads are small, and the dense chunks of ``"host"`` are the ones staged pinned.
+CUDA streams: ``submit`` records an event on the caller's current stream. Each device has one
+engine copy stream; a chunk's device work (copies, device-mode kernels) runs there, in a pool
+thread set to that device (:func:`~gradpress.ps.calls.on_stream`), after waiting on that event.
+Host mode: the chunk is copied non-blocking into pinned memory and the pool thread synchronises
+on one event per chunk before compressing; the decoded reply goes up non-blocking from pinned
+memory (kept alive until its event completed). Device mode: ``compress(x, out=send)`` copies
+the payload down with the chunk's one synchronisation, ``decode_reply`` decodes the reply on
+the device without one (the codecs' side). Tensors used on the copy stream get
+``record_stream``. A handle completes when every chunk's result is queued; ``wait`` makes the
+caller's current stream wait on the chunks' events. Reasoned from PyTorch's stream semantics;
+the CUDA tests in ``tests/test_push_pull_device.py`` run it where a GPU is present (none yet).
 """
 
 from __future__ import annotations
@@ -56,11 +61,12 @@ from .calls import (
     ChunkJob,
     ChunkState,
     Handle,
+    PinnedKeeper,
     Plan,
     check_out,
+    compress_chunk,
+    decode_chunk,
     flat_fp32,
-    host_buffer,
-    on_stream,
     resolve_codec,
 )
 from .checkpointing import WorkerCheckpoint
@@ -68,7 +74,7 @@ from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError, KeyCollisionError
 from .partition import assign_balanced, chunk_key, chunk_layout
-from .protocol import OP_PUSH, OP_STOP, Control, KeyDescriptor, decode_reply, pack_control
+from .protocol import OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
 from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport
 
@@ -107,6 +113,8 @@ class WorkerEngine:
         self._stats: dict[str, float] = dict.fromkeys(
             ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes", "steps", "chunks"), 0)
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
+        self._streams: dict[int | None, Any] = {}  # CUDA copy stream per device index
+        self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
         self.checkpoint = WorkerCheckpoint(self)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -138,7 +146,10 @@ class WorkerEngine:
         like = tensor if out is None else out  # the result's shape, dtype and device
         out = dst if dst is not None else torch.empty(flat.numel(), dtype=torch.float32,
                                                       device=flat.device)
-        stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
+        stream = ready = None
+        if flat.is_cuda:  # the chunks' device work waits for what is queued now, on its stream
+            stream, ready = self._copy_stream(flat.device), torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(flat.device))
         handle = Handle(name, out, like.shape, like.dtype, like.device, len(plan.chunks),
                         on_done=self._on_done)
         plan.last = handle.completion  # not the handle: its result is the caller's to keep
@@ -149,10 +160,25 @@ class WorkerEngine:
         for chunk, off in zip(plan.chunks, plan.offsets):
             n = chunk.desc.numel
             self._dispatch_q.put(ChunkJob(chunk, flat[off:off + n], out[off:off + n], handle, lr,
-                                     stream))
+                                          stream, ready))
         if not plan.chunks:
             handle._chunk_done()
         return handle
+
+    def _copy_stream(self, device: torch.device) -> Any:
+        """The engine's CUDA stream of ``device`` for the chunks' copies and device kernels."""
+        with self._lock:
+            stream = self._streams.get(device.index)
+            if stream is None:
+                stream = self._streams[device.index] = torch.cuda.Stream(device)
+            return stream
+
+    def sync_device(self) -> None:
+        """Wait for the device work queued on the copy streams (codec state written there)."""
+        with self._lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            s.synchronize()
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -189,6 +215,7 @@ class WorkerEngine:
             t.join(self.cfg.timeout)
         self._pool.shutdown(wait=self._error is None)
         self._buffers.clear()
+        self._pinned.drain(wait=self._error is None)
         if self._error is not None:
             return
         stop = pack_control(Control(OP_STOP))
@@ -306,8 +333,7 @@ class WorkerEngine:
 
     def _push(self, job: ChunkJob) -> None:  # steps 2-3
         chunk, send, t0 = job.chunk, job.send, time.perf_counter()
-        with on_stream(job.stream):
-            self._compress(job)
+        compress_chunk(job, self.cfg.compress_on == "device")
         t1 = time.perf_counter()
         dst, label = chunk.server_rank, chunk.label
         job.recv_op = self.transport.irecv(job.recv, dst, chunk.key, label, "pull")
@@ -319,31 +345,6 @@ class WorkerEngine:
         self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=chunk.nbytes, chunks=1)
         self.tracer.add("compress", t0, t1, key=chunk.key, step=job.step, name=chunk.desc.name,
                         chunk=chunk.desc.chunk)
-
-    def _compress(self, job: ChunkJob) -> None:  # step 2, by compress_on (module docstring)
-        chunk, x, send = job.chunk, job.x, job.send
-        kw = {"key": chunk.key, "step": job.step, "lr": job.lr}
-        if x.device.type == "cpu":
-            chunk.enc.compress(x, out=send, **kw)
-        elif self.cfg.compress_on == "device":
-            send.copy_(chunk.enc.compress(x, **kw))  # type: ignore[union-attr]  # payload only
-        else:
-            host = host_buffer(x)
-            host.copy_(x)  # blocking: this chunk only, while other chunks are compressed
-            chunk.enc.compress(host, out=send, **kw)
-
-    def _decode(self, job: ChunkJob) -> None:  # step 5, by compress_on (module docstring)
-        chunk, out, payload = job.chunk, job.out, job.recv
-        dst = out
-        if out.device.type != "cpu":
-            if self.cfg.compress_on == "device":
-                payload = payload.to(out.device)  # type: ignore[union-attr]  # blocking
-            else:
-                dst = host_buffer(out)
-        decode_reply(chunk.dec, payload, dst, key=chunk.key, step=job.step,  # validated
-                     sender=chunk.server_name, label=chunk.label)
-        if dst is not out:
-            out.copy_(dst)  # blocking: the chunk's slice of the device result
 
     def _receive(self, job: ChunkJob) -> None:  # step 4
         t0 = time.perf_counter()
@@ -358,8 +359,7 @@ class WorkerEngine:
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
-        with on_stream(job.stream):
-            self._decode(job)
+        done = decode_chunk(job, self.cfg.compress_on == "device", self._pinned)
         self._buffers.give(job.send)  # type: ignore[arg-type]
         self._buffers.give(job.recv)  # type: ignore[arg-type]
         job.send = job.recv = None
@@ -367,7 +367,7 @@ class WorkerEngine:
         t1 = time.perf_counter()
         self.account(decompress_s=t1 - t0, bytes_pulled=chunk.nbytes)
         self.tracer.add("decompress", t0, t1, key=chunk.key, step=job.step)
-        job.handle._chunk_done()
+        job.handle._chunk_done(done)
 
     def account(self, **deltas: float) -> None:
         """Add to the counters of :meth:`stats` (new names start at 0)."""
@@ -395,6 +395,7 @@ class WorkerEngine:
         if busy:
             raise RuntimeError(f"{what}: push_pull of {busy} in flight; call the optimizer's "
                                f"step() or synchronize() (or wait the handles) first")
+        self.sync_device()  # compress_on="device": residuals are written on the copy streams
 
     def _check_usable(self) -> None:
         if self._error is not None:

@@ -128,10 +128,29 @@ def _same(value: Any) -> Any:
 
 
 def _in_place(grad: torch.Tensor) -> torch.Tensor | None:
-    """``grad`` itself when push_pull can average it in place (float32, CPU, contiguous),
-    saving a result buffer per gradient; else None (a new result, copied into ``p.grad``)."""
-    ok = grad.dtype == torch.float32 and grad.device.type == "cpu" and grad.is_contiguous()
+    """``grad`` itself when push_pull can average it in place (float32 and contiguous, on any
+    device: ``out=`` is on the tensor's device), saving a result buffer per gradient; else None
+    (another dtype: a float32 result, copied into ``p.grad``)."""
+    ok = grad.dtype == torch.float32 and grad.is_contiguous()
     return grad if ok else None
+
+
+def _zero_if_nonfinite(grad: torch.Tensor) -> torch.Tensor:
+    """Zero ``grad`` in place when any element is not finite, without reading the answer on
+    the host (no device synchronisation); returns the 0-d bool tensor "not finite", on
+    ``grad``'s device, for :func:`_any_set` to read once per step."""
+    bad = torch.isfinite(grad).all().logical_not()
+    grad.masked_fill_(bad, 0)  # a 0-d mask broadcasts: all or nothing
+    return bad
+
+
+def _any_set(flags: list[torch.Tensor]) -> bool:
+    """Whether any of the 0-d bool ``flags`` is set: one reduction and one read per device
+    (one host synchronisation per step on a single GPU)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return any(bool(torch.stack(fs).any()) for fs in by_device.values())
 
 
 class _Distributed:
@@ -175,7 +194,7 @@ class _Distributed:
         self._gp_counts: dict[torch.Tensor, int] = {}
         self._gp_handles: dict[torch.Tensor, Any] = {}
         self._gp_fusion: Any = None  # the Fuser of the small exact gradients, at first push
-        self._gp_nonfinite = False
+        self._gp_nonfinite: list[torch.Tensor] = []  # nan_policy="skip": one flag per push
         self._gp_skipped = False
         self._gp_skip_sync = False
         self._gp_hooks = [p.register_post_accumulate_grad_hook(self._gp_hook)
@@ -205,9 +224,8 @@ class _Distributed:
         from .. import api
 
         grad = p.grad.detach() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
-        if self._gp_nan == "skip" and not bool(torch.isfinite(grad).all()):
-            self._gp_nonfinite = True
-            grad = torch.zeros_like(grad)
+        if self._gp_nan == "skip":  # p.grad is overwritten by the average (or inf) anyway
+            self._gp_nonfinite.append(_zero_if_nonfinite(grad))
         exact = p in self._gp_dense  # chosen by name: travels as a small tensor does, exact
         if self._gp_meter is not None:  # dense phase of "auto": this worker's own gradient
             self._gp_meter.add_local(self._gp_names[p], grad)
@@ -243,7 +261,7 @@ class _Distributed:
                 if p.requires_grad and p not in self._gp_handles:
                     self._gp_push(p)
         for p, h in self._gp_handles.items():
-            avg = h.wait()
+            avg = h.wait()  # CUDA: the current stream waits for the result (the host does not)
             if p.grad is None:
                 p.grad = avg.to(dtype=p.dtype)
             elif avg.data_ptr() != p.grad.data_ptr():  # else averaged in place already
@@ -253,10 +271,10 @@ class _Distributed:
         self._gp_handles.clear()
         self._gp_counts.clear()
         self._gp_skipped = False
-        if self._gp_nan == "skip":  # step 3
-            flag = torch.tensor([1.0 if self._gp_nonfinite else 0.0])
+        if self._gp_nan == "skip":  # step 3: the step's one read of the finiteness flags
+            flag = torch.tensor([1.0 if _any_set(self._gp_nonfinite) else 0.0])
+            self._gp_nonfinite.clear()
             total = api.push_pull(flag, _FLAG_NAME, average=False, compression="none", ef="none")
-            self._gp_nonfinite = False
             if float(total[0]) > 0:
                 self._gp_skipped = True
                 for p in self._gp_names:
