@@ -298,9 +298,9 @@ def check_push_pull(ctx: Context, limit_s: float) -> Result:
 #: in this order (the codecs compile and cache the numba kernels the later jobs load); the
 #: limits add up to 290 s
 SECTIONS: list[Section] = [
-    Section("codecs", "Codec throughput: device path against host path", check_codecs, 90.0),
-    Section("cuda_tests", "CUDA tests (pytest -k cuda)", check_cuda_tests, 90.0),
-    Section("push_pull", "push_pull: 2 workers on one device + 1 server", check_push_pull, 110.0),
+    Section("codecs", "Codec throughput: device path against host path", check_codecs, 60.0),
+    Section("cuda_tests", "CUDA tests (pytest -k cuda)", check_cuda_tests, 160.0),
+    Section("push_pull", "push_pull: 2 workers on one device + 1 server", check_push_pull, 70.0),
 ]
 
 
