@@ -26,11 +26,11 @@ compared byte for byte with the expected ones (copied in from pinned memory with
 and header validity, abort records and finiteness fold into one flag per bucket. A failed
 bucket is zeroed on the device (``masked_fill_``) and handed to DDP as zeros; the owner of a
 shard with a bad push sends an abort record built on the device. The flag reaches the host
-through a non-blocking copy and an event (:class:`DeviceCheck`); the hook reads it when the event
-has completed, and at the latest at its first call of the next iteration, where a failed flag
-raises the same :class:`~gradpress.ps.errors.PayloadError` as the immediate checks:
-:func:`raise_failed` re-runs them on the bucket's buffers, still intact then. So an error is
-raised at most one step late, after one optimizer step that saw the bucket as zeros.
+through a non-blocking copy and an event (:class:`DeviceCheck`); the hook reads it at its first
+call of the next iteration (the same point on every rank), where a failed flag raises the same
+:class:`~gradpress.ps.errors.PayloadError` as the immediate checks: :func:`raise_failed` re-runs
+them on the bucket's buffers, still intact then. So an error is raised one step late, after one
+optimizer step that saw the bucket as zeros.
 """
 
 from __future__ import annotations
@@ -349,16 +349,12 @@ class DeviceCheck:
         else:
             self.flag = ok
 
-    def ready(self, wait: bool) -> bool:
-        """Whether the flag can be read now without waiting; ``wait``: wait for it
-        (``cudaEventSynchronize``: only this bucket's work, not the streams' later work)."""
-        if self.event is None or self.event.query():
-            return True
-        if wait:
-            self.event.synchronize()
-        return wait
-
     def passed(self) -> bool:
+        """The flag; on CUDA waits for the event first (``cudaEventSynchronize``: only this
+        bucket's step 6, not the streams' later work; read one iteration later, it has
+        usually completed, and the wait returns at once)."""
+        if self.event is not None:
+            self.event.synchronize()
         return bool(self.flag)
 
 

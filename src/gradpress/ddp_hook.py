@@ -297,6 +297,10 @@ class TwoWayCompressionState:
                 raise
             c = job.codecs
             work = all_gather_async(c.gathered, c.agg, job.group)
+            # The callback (holding the job) is dropped on gloo's thread once it has run: were
+            # the job's group the last reference, gloo would join that thread from itself and
+            # abort ("Resource deadlock avoided"). The job needs the group no more.
+            job.group = None
             work.get_future().then(functools.partial(self._gathered, job))
         except BaseException as e:
             _set_exception(job.future, e)
@@ -330,14 +334,14 @@ class TwoWayCompressionState:
         job.future.set_result(job.buffer)
 
     def _resolve_checks(self, wait_all: bool = False) -> None:
-        """Read the flags of deferred buckets that are complete, in bucket order; wait for
-        those of earlier iterations (so an error is raised one step late at most), or for all
-        with ``wait_all``. A failed flag raises the bucket's PayloadError (``raise_failed``)."""
-        while self._checks:
-            check = self._checks[0]
-            if not check.ready(wait_all or check.job.iteration < self.iter):
-                return
-            self._checks.popleft()
+        """Read the flags of the deferred buckets of earlier iterations (all with ``wait_all``),
+        in bucket order; a failed one raises its PayloadError (``raise_failed``). The hook
+        calls this first, so a flag is read at the first hook call of the next iteration: the
+        same point on every rank (the flags come from all-gathered bytes, identical on every
+        rank), before any collective of that iteration, so the ranks' collectives stay matched.
+        """
+        while self._checks and (wait_all or self._checks[0].job.iteration < self.iter):
+            check = self._checks.popleft()
             if not check.passed():
                 self._checks.clear()
                 raise_failed(check.job)
@@ -427,6 +431,14 @@ def two_way_compression_hook(
     from the hook or from the bucket's future, on the owner that rejected a push and, through an
     abort record it all-gathers in step 5, on every other rank. The bucket buffer is then zeroed
     and the state refuses further buckets (:class:`~gradpress.ps.errors.GradpressError`).
+
+    CUDA buckets are checked on the device, with no host synchronisation per bucket (so
+    backward keeps overlapping the exchange): a failed bucket is zeroed there and handed to DDP
+    as zeros, and its PayloadError (the same text) is raised on every rank by the first hook
+    call of the next iteration, before its collectives: one optimizer step late; call
+    ``state.check_pending()`` after the last backward pass (``state_dict`` does) to see an error
+    of the last iteration. The bucket's future is CUDA-aware, so DDP's stream waits for the
+    decode kernels before it reads the result.
 
     Buckets below ``state.min_compress_bytes`` and iterations before
     ``state.dense_steps`` use a plain averaging allreduce.
