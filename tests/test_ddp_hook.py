@@ -21,6 +21,7 @@ errors raised one hook call later (the next iteration's), the bucket zeroed at o
 
 import copy
 import datetime
+import functools
 import gc
 import os
 import pickle
@@ -505,3 +506,89 @@ def test_hyperparameters_are_read_only_and_state_keys_checked():
         TwoWayCompressionState(spec={"compressor": "onebit"})
     with pytest.raises(ValueError, match="expected keys"):
         state.load_state_dict({"iter": 0})
+
+
+# -- deferred checks against the immediate ones, one process (world 3, rank 0) -----------------
+def _exchange(numel: int, deferred: bool, dtype=torch.float32):
+    from gradpress._ddp_buckets import BucketCodecs, BucketExchange
+    layout = (3, 0, numel, dtype, "cpu", (((numel,), 0),))
+    c = BucketCodecs(layout, numel, 3, 0, lambda n: build(SPEC, n, ef="vanilla"),
+                     torch.device("cpu"))
+    return BucketExchange(5, torch.full((numel,), 7.0, dtype=dtype), c, 2, None, None,
+                          deferred=deferred)
+
+
+def _fill(c, buf: torch.Tensor, shard_of, bad: dict) -> None:
+    """Slot i of ``buf``: a payload of shard ``shard_of(i)`` (key 5 * 3 + shard, step 2),
+    corrupted as ``bad[i]`` says: NaN scale, wrong step, or an abort record naming rank 2."""
+    for i in range(3):
+        s = shard_of(i)
+        lo, hi = c.bounds[s]
+        x = torch.randn(hi - lo, generator=torch.Generator().manual_seed(10 * i + s))
+        p = c.payload(buf, i, s)
+        build(SPEC, hi - lo).compress(x, key=5 * 3 + s, step=2, out=p)
+        how = bad.get(i)
+        if how == "nan":
+            p[-4:].copy_(torch.tensor([float("nan")]).view(torch.uint8))
+        elif how == "step":
+            p[16] += 5
+        elif how == "abort":
+            p[:8].copy_(torch.tensor([71, 88, 0, 0, 2, 0, 0, 0], dtype=torch.uint8))
+
+
+def _run(fn, ex):
+    from gradpress.ps.errors import PayloadError
+    try:
+        return fn(ex), None
+    except PayloadError as e:
+        return None, str(e)
+
+
+PUSH_CASES = [{}, {1: "nan"}, {2: "step"}, {1: "nan", 2: "step"}, {0: "nan", 2: "nan"}]
+
+
+@pytest.mark.parametrize("bad", PUSH_CASES, ids=str)
+def test_deferred_reduce_sends_what_the_immediate_checks_send(bad):
+    """The owner's abort record names the same sender (a bad header before a non-finite sum,
+    else the first non-finite partial sum); a clean reduce sends the same aggregate bytes."""
+    from gradpress._ddp_buckets import raise_failed, reduce_shard, reduce_shard_deferred
+    agg, errors = {}, {}
+    for deferred in (False, True):
+        ex = _exchange(100, deferred)
+        _fill(ex.codecs, ex.codecs.recv, lambda i: 0, bad)
+        fn = reduce_shard_deferred if deferred else reduce_shard
+        _, errors[deferred] = _run(functools.partial(lambda f, e: f(e, None), fn), ex)
+        agg[deferred] = ex.codecs.agg.clone()
+        if deferred and bad:  # the host re-check raises the immediate path's error
+            assert errors[True] is None
+            _, errors[True] = _run(raise_failed, ex)
+    if bad:
+        assert torch.equal(agg[True][:8], agg[False][:8]) and bytes(agg[True][:2]) == b"GX"
+        assert errors[True] == errors[False] and "push from rank" in errors[False]
+    else:
+        assert torch.equal(agg[True], agg[False]) and errors == {False: None, True: None}
+
+
+REPLY_CASES = [{}, {1: "nan"}, {2: "step"}, {0: "abort"}, {1: "step", 2: "nan"}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bad", REPLY_CASES, ids=str)
+def test_deferred_finish_matches_the_immediate_checks(bad, dtype):
+    """Same bucket bytes when clean; a failed bucket is zeroed with a False flag, and the host
+    re-check raises the immediate path's PayloadError text."""
+    from gradpress._ddp_buckets import finish, finish_deferred, raise_failed
+    out, errors = {}, {}
+    for deferred in (False, True):
+        ex = _exchange(100, deferred, dtype)
+        _fill(ex.codecs, ex.codecs.recv, lambda i: 0, {})  # clean pushes: the re-check passes
+        _fill(ex.codecs, ex.codecs.gathered, lambda i: i, bad)
+        flag, errors[deferred] = _run(finish_deferred if deferred else finish, ex)
+        if deferred:
+            assert errors[True] is None and bool(flag) == (not bad)
+            if bad:
+                _, errors[True] = _run(raise_failed, ex)
+        out[deferred] = ex.buffer.clone()
+    assert torch.equal(out[True], out[False]) and out[True].dtype == dtype
+    assert errors[True] == errors[False]
+    assert bool((out[True] == 0).all()) == bool(bad)
