@@ -105,6 +105,69 @@ def test_cuda_nccl_ddp_hook_matches_codec_chain(tmp_path, dtype, defer):
         chain_matches(torch.device("cuda", 0), dtype, defer, (2048, 2048))
 
 
+# -- a corrupted reply: zeroed at once, raised one iteration late ---------------------------------
+class Bucket:
+    """Duck-typed dist.GradBucket: one bucket that is the last of its iteration."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf, self.param = buf, torch.zeros_like(buf)
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.param]
+
+
+def corrupt_reply_fails_late(device: torch.device, defer: bool | None) -> None:
+    """Step 1's reply (the all-gathered aggregate) gets a NaN scale: the deferred checks hand
+    back zeros without an error; the next call raises the PayloadError, the one after refuses."""
+    from gradpress.ps.errors import GradpressError, PayloadError
+    n = 1000
+    state = TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0)
+    state._defer = defer
+    bucket = Bucket(torch.randn(n, device=device, dtype=torch.bfloat16))
+    assert two_way_compression_hook(state, bucket).wait().abs().sum() > 0  # step 0: honest
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    orig, scale_at = getattr(dist, name), build(SPEC, n).payload_bytes - 4
+
+    def corrupting(out, inp, *args, **kwargs):
+        inp[scale_at:scale_at + 4].copy_(torch.tensor([float("nan")]).view(torch.uint8))
+        return orig(out, inp, *args, **kwargs)
+
+    setattr(dist, name, corrupting)
+    try:
+        bucket.buf.normal_()
+        result = two_way_compression_hook(state, bucket).wait()  # step 1: corrupted
+    finally:
+        setattr(dist, name, orig)
+    assert result is bucket.buf and bool((result == 0).all()), "the bucket was not zeroed"
+    bucket.buf.normal_()
+    with pytest.raises(PayloadError, match=r"bucket 0 shard 0 \(key 0, step 1\).*rank 0 \(owner "
+                                           r"of shard 0\) rejected.*non-finite"):
+        two_way_compression_hook(state, bucket)  # step 2: the error of step 1, before anything
+    with pytest.raises(GradpressError, match="an earlier bucket failed"):
+        two_way_compression_hook(state, bucket)
+
+
+def test_world_of_one_gloo_cpu_deferred_failure_raises_next_iteration(tmp_path):
+    with world_of_one("gloo", tmp_path):
+        corrupt_reply_fails_late(torch.device("cpu"), True)
+
+
+@needs_cuda
+def test_cuda_nccl_deferred_failure_raises_next_iteration(tmp_path):
+    torch.cuda.set_device(0)
+    with world_of_one("nccl", tmp_path):
+        corrupt_reply_fails_late(torch.device("cuda", 0), None)
+
+
 # -- synchronisations per bucket ------------------------------------------------------------------
 def count_syncs(fn) -> int:
     """Warnings of ``set_sync_debug_mode("warn")`` during ``fn()``: one per synchronizing call
