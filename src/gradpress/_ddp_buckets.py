@@ -122,9 +122,10 @@ class BucketCodecs:
             dev = self.acc.device
             mask = torch.zeros(HEADER_BYTES, dtype=torch.bool, device=dev)
             for lo, hi in _CHECKED:
-                mask[lo:hi] = True
-            prefix = torch.zeros(4, dtype=torch.uint8, device=dev)
-            prefix[0], prefix[1] = _ABORT_MAGIC[0], _ABORT_MAGIC[1]
+                mask[lo:hi].fill_(True)
+            prefix = torch.zeros(4, dtype=torch.uint8, device=dev)  # b"GX", 2 zero bytes
+            for i, byte in enumerate(_ABORT_MAGIC):
+                prefix[i:i + 1].fill_(byte)
             self._consts = {"mask": mask, "prefix": prefix,
                             "ranks": torch.arange(self.world, device=dev),
                             "shifts": torch.arange(0, 32, 8, device=dev)}
