@@ -10,13 +10,16 @@ CUDA-aware work futures, which is what the two findings are about:
   and fp32 buckets, with the deferred (default on CUDA) and the immediate checks; the gradient
   is read on the default stream right after ``backward`` with no synchronisation, so a future
   without devices (finding 1) can hand DDP a bucket whose decode has not run yet;
+* a corrupted reply (NaN scale) is zeroed at once and handed back without an error; the next
+  iteration's first hook call raises its PayloadError (the deferred checks' flag, read through
+  pinned memory and an event);
 * the hook adds no synchronisation per bucket of its own: with ``torch.cuda.set_sync_debug_mode``
   a backward pass with the hook warns no more often than one with PyTorch's ``allreduce_hook``
   plus what the codec calls the hook makes (compress twice, decode-add, decode) warn when made
   directly. That budget shrinks as the codecs lose their own syncs (another part of issue #30).
 
-The GPU tests are written from PyTorch's sources and have not run on a GPU yet. The CPU twin
-runs the same chain comparison on gloo, with deferred and immediate checks.
+The GPU tests are written from PyTorch's sources and have not run on a GPU yet. The CPU twins
+run the chain comparison (deferred and immediate checks) and the corrupted reply on gloo.
 """
 
 import contextlib
