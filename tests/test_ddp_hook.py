@@ -13,10 +13,15 @@ check them:
 
 A second spawn: rank 1 corrupts a push or a reply (key, step, codec id, NaN); every rank raises a
 PayloadError naming sender, bucket and shard, none hangs, the bucket buffer is zeroed.
+
+Both spawns also run the deferred checks (the default for CUDA buckets, forced here on the CPU
+with the internal switch ``state._defer = True``): the same results bit for bit, and the same
+errors raised one hook call later (the next iteration's), the bucket zeroed at once.
 """
 
 import copy
 import datetime
+import functools
 import gc
 import os
 import pickle
@@ -148,6 +153,12 @@ def scenario_reference(rank: int, res: dict) -> None:
                 diff = (got[t][j] - ref[t]).abs().max().item()
                 res.setdefault("ref_diff", {})[(spec, b.index(), t)] = diff
         res.setdefault("ref_out", {})[spec] = got
+        deferred = TwoWayCompressionState(spec, "vanilla", min_compress_bytes=0, overlap=overlap)
+        deferred._defer = True
+        got_d = run_buckets(deferred, buckets, rank, range(3))
+        deferred.check_pending()
+        res.setdefault("deferred_equal", {})[spec] = all(
+            torch.equal(a, b) for ga, gb in zip(got, got_d) for a, b in zip(ga, gb))
         # pickle after 3 steps, then step 3 from the live state and from the unpickled copy
         blob = pickle.dumps(state)
         live = run_buckets(state, buckets, rank, range(3, 4))[0]
@@ -259,8 +270,11 @@ def outcome(fn) -> tuple[str, str]:
     return "none", ""
 
 
-def hostile_case(rank: int, direction: str, how: str, spec: str) -> dict:
+def hostile_case(rank: int, direction: str, how: str, spec: str, defer: bool) -> dict:
+    """Step 1 is corrupted. Immediate checks raise from step 1; deferred ones zero the bucket at
+    step 1 and raise its error from the next call (``late``); the call after that refuses."""
     state = TwoWayCompressionState(spec, "vanilla", min_compress_bytes=0)
+    state._defer = defer
     b = FakeBucket(BUCKET, NUMEL, last=True)
     honest = run_buckets(state, [b], rank, range(1))[0][0]  # step 0 is honest
     armed = [rank == BAD]
@@ -269,41 +283,66 @@ def hostile_case(rank: int, direction: str, how: str, spec: str) -> dict:
     try:
         b.buf.copy_(grad(rank, BUCKET, 1, NUMEL))
         kind, msg = outcome(lambda: two_way_compression_hook(state, b).wait())
+        zeroed = bool((b.buf == 0).all())
         armed[0] = False
+        late = kind == "none"
+        if late:
+            b.buf.copy_(grad(rank, BUCKET, 2, NUMEL))
+            kind, msg = outcome(lambda: two_way_compression_hook(state, b).wait())
         again = outcome(lambda: two_way_compression_hook(state, b).wait())
     finally:
         setattr(dist, name, orig)
     dist.barrier()  # every collective was matched: the group still works
-    return {"kind": kind, "msg": msg, "zeroed": bool((b.buf == 0).all()), "again": again,
+    return {"kind": kind, "msg": msg, "zeroed": zeroed, "again": again, "late": late,
             "honest_ok": bool(torch.isfinite(honest).all() and honest.abs().sum() > 0)}
 
 
-def ddp_case(rank: int) -> tuple[str, str]:
+def pending_case(rank: int) -> tuple[str, str]:
+    """Deferred checks: a corrupted last step surfaces from state_dict (check_pending)."""
+    state = TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0)
+    state._defer = True
+    b = FakeBucket(BUCKET, NUMEL, last=True)
+    run_buckets(state, [b], rank, range(1))
+    armed = [rank == BAD]
+    name, orig, call = corrupting("push", "step", SPEC, armed)
+    setattr(dist, name, call)
+    try:
+        run_buckets(state, [b], rank, range(1, 2))
+    finally:
+        setattr(dist, name, orig)
+    dist.barrier()
+    return outcome(state.state_dict)
+
+
+def ddp_case(rank: int, defer: bool) -> tuple[str, str, int]:
     """Real DDP: rank BAD sends a push with a wrong step at the third iteration."""
     model = nn.parallel.DistributedDataParallel(make_model())
-    model.register_comm_hook(TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0),
-                             two_way_compression_hook)
+    state = TwoWayCompressionState(SPEC, "vanilla", min_compress_bytes=0)
+    state._defer = defer
+    model.register_comm_hook(state, two_way_compression_hook)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
     armed = [False]
     name, orig, call = corrupting("push", "step", SPEC, armed)
     setattr(dist, name, call)
     try:
-        for it in range(3):
+        for it in range(4):
             armed[0] = rank == BAD and it == 2
             err = outcome(lambda: model(x).square().mean().backward())
             if err[0] != "none":
                 break
     finally:
         setattr(dist, name, orig)
-    return err  # the first failure (at iteration 2 on both ranks), else ("none", "")
+    return (*err, it)  # the first failure (at iteration 2, deferred 3, on both ranks)
 
 
 def hostile_worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=10))
-    res = {case: hostile_case(rank, *case) for case in HOSTILE}
-    res["ddp"] = ddp_case(rank)
+    res = {(case, defer): hostile_case(rank, *case, defer) for case in HOSTILE
+           for defer in (False, True)}
+    res["ddp"] = {defer: ddp_case(rank, defer) for defer in (False, True)}
+    res["pending"] = pending_case(rank)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     shutdown()
 
@@ -353,6 +392,7 @@ def test_hook_matches_codec_reference(results):
     for res in results:
         bad = {k: v for k, v in res["ref_diff"].items() if v != 0.0}
         assert not bad, bad
+        assert all(res["deferred_equal"].values()), res["deferred_equal"]
     for spec, _ in REF_SPECS:
         for a, b in zip(results[0]["ref_out"][spec], results[1]["ref_out"][spec]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -384,17 +424,19 @@ def hostile(tmp_path_factory) -> list[dict]:
     return _spawn(hostile_worker, tmp_path_factory.mktemp("ddp_hostile"), "hostile ranks", 90)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
 @pytest.mark.parametrize("case", HOSTILE, ids=["-".join(c) for c in HOSTILE])
-def test_corrupt_payload_is_rejected_naming_sender_and_bucket(hostile, case):
+def test_corrupt_payload_is_rejected_naming_sender_and_bucket(hostile, case, defer):
     direction, how, _ = case
     shard = 0 if direction == "push" else BAD
     key = BUCKET * WORLD + shard
     what = WHAT[how].format(k=key, k1=key + 1)
     for rank, res in enumerate(hostile):
-        r = res[case]
+        r = res[(case, defer)]
         assert r["honest_ok"], f"rank {rank}: the honest step before the corruption failed"
         assert r["kind"] == "PayloadError", f"rank {rank}: {r['kind']}: {r['msg']}"
-        assert f"bucket {BUCKET} shard {shard}" in r["msg"], r["msg"]
+        assert r["late"] == defer, f"rank {rank}: raised late={r['late']}, deferred={defer}"
+        assert f"bucket {BUCKET} shard {shard} (key {key}, step 1)" in r["msg"], r["msg"]
         if direction == "reply" or rank == shard:  # it decoded rank BAD's payload itself
             sender = f"rank {BAD} (owner of shard {BAD})" if direction == "reply" \
                 else f"rank {BAD}"
@@ -409,9 +451,18 @@ def test_corrupt_payload_is_rejected_naming_sender_and_bucket(hostile, case):
 
 def test_corrupt_push_fails_ddp_backward_on_every_rank(hostile):
     for rank, res in enumerate(hostile):
-        kind, msg = res["ddp"]
-        assert kind != "none", f"rank {rank}: backward did not fail"
-        assert f"rank {BAD}" in msg and "bucket 0" in msg, (kind, msg)
+        for defer, at in ((False, 2), (True, 3)):  # deferred: one iteration late
+            kind, msg, it = res["ddp"][defer]
+            # (a future's error reaches backward as a RuntimeError quoting it)
+            assert kind != "none", f"rank {rank}, deferred={defer}: backward did not fail"
+            assert f"rank {BAD}" in msg and "bucket 0" in msg, (kind, msg)
+            assert it == at, f"rank {rank}, deferred={defer}: failed at iteration {it}"
+
+
+def test_deferred_failure_of_the_last_step_surfaces_from_state_dict(hostile):
+    for rank, res in enumerate(hostile):
+        kind, msg = res["pending"]
+        assert kind == "PayloadError" and f"rank {BAD}" in msg, (rank, kind, msg)
 
 
 # -- single-process checks -----------------------------------------------------------------------
@@ -455,3 +506,89 @@ def test_hyperparameters_are_read_only_and_state_keys_checked():
         TwoWayCompressionState(spec={"compressor": "onebit"})
     with pytest.raises(ValueError, match="expected keys"):
         state.load_state_dict({"iter": 0})
+
+
+# -- deferred checks against the immediate ones, one process (world 3, rank 0) -----------------
+def _exchange(numel: int, deferred: bool, dtype=torch.float32):
+    from gradpress._ddp_buckets import BucketCodecs, BucketExchange
+    layout = (3, 0, numel, dtype, "cpu", (((numel,), 0),))
+    c = BucketCodecs(layout, numel, 3, 0, lambda n: build(SPEC, n, ef="vanilla"),
+                     torch.device("cpu"))
+    return BucketExchange(5, torch.full((numel,), 7.0, dtype=dtype), c, 2, None, None,
+                          deferred=deferred)
+
+
+def _fill(c, buf: torch.Tensor, shard_of, bad: dict) -> None:
+    """Slot i of ``buf``: a payload of shard ``shard_of(i)`` (key 5 * 3 + shard, step 2),
+    corrupted as ``bad[i]`` says: NaN scale, wrong step, or an abort record naming rank 2."""
+    for i in range(3):
+        s = shard_of(i)
+        lo, hi = c.bounds[s]
+        x = torch.randn(hi - lo, generator=torch.Generator().manual_seed(10 * i + s))
+        p = c.payload(buf, i, s)
+        build(SPEC, hi - lo).compress(x, key=5 * 3 + s, step=2, out=p)
+        how = bad.get(i)
+        if how == "nan":
+            p[-4:].copy_(torch.tensor([float("nan")]).view(torch.uint8))
+        elif how == "step":
+            p[16] += 5
+        elif how == "abort":
+            p[:8].copy_(torch.tensor([71, 88, 0, 0, 2, 0, 0, 0], dtype=torch.uint8))
+
+
+def _run(fn, ex):
+    from gradpress.ps.errors import PayloadError
+    try:
+        return fn(ex), None
+    except PayloadError as e:
+        return None, str(e)
+
+
+PUSH_CASES = [{}, {1: "nan"}, {2: "step"}, {1: "nan", 2: "step"}, {0: "nan", 2: "nan"}]
+
+
+@pytest.mark.parametrize("bad", PUSH_CASES, ids=str)
+def test_deferred_reduce_sends_what_the_immediate_checks_send(bad):
+    """The owner's abort record names the same sender (a bad header before a non-finite sum,
+    else the first non-finite partial sum); a clean reduce sends the same aggregate bytes."""
+    from gradpress._ddp_buckets import raise_failed, reduce_shard, reduce_shard_deferred
+    agg, errors = {}, {}
+    for deferred in (False, True):
+        ex = _exchange(100, deferred)
+        _fill(ex.codecs, ex.codecs.recv, lambda i: 0, bad)
+        fn = reduce_shard_deferred if deferred else reduce_shard
+        _, errors[deferred] = _run(functools.partial(lambda f, e: f(e, None), fn), ex)
+        agg[deferred] = ex.codecs.agg.clone()
+        if deferred and bad:  # the host re-check raises the immediate path's error
+            assert errors[True] is None
+            _, errors[True] = _run(raise_failed, ex)
+    if bad:
+        assert torch.equal(agg[True][:8], agg[False][:8]) and bytes(agg[True][:2]) == b"GX"
+        assert errors[True] == errors[False] and "push from rank" in errors[False]
+    else:
+        assert torch.equal(agg[True], agg[False]) and errors == {False: None, True: None}
+
+
+REPLY_CASES = [{}, {1: "nan"}, {2: "step"}, {0: "abort"}, {1: "step", 2: "nan"}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bad", REPLY_CASES, ids=str)
+def test_deferred_finish_matches_the_immediate_checks(bad, dtype):
+    """Same bucket bytes when clean; a failed bucket is zeroed with a False flag, and the host
+    re-check raises the immediate path's PayloadError text."""
+    from gradpress._ddp_buckets import finish, finish_deferred, raise_failed
+    out, errors = {}, {}
+    for deferred in (False, True):
+        ex = _exchange(100, deferred, dtype)
+        _fill(ex.codecs, ex.codecs.recv, lambda i: 0, {})  # clean pushes: the re-check passes
+        _fill(ex.codecs, ex.codecs.gathered, lambda i: i, bad)
+        flag, errors[deferred] = _run(finish_deferred if deferred else finish, ex)
+        if deferred:
+            assert errors[True] is None and bool(flag) == (not bad)
+            if bad:
+                _, errors[True] = _run(raise_failed, ex)
+        out[deferred] = ex.buffer.clone()
+    assert torch.equal(out[True], out[False]) and out[True].dtype == dtype
+    assert errors[True] == errors[False]
+    assert bool((out[True] == 0).all()) == bool(bad)

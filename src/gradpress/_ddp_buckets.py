@@ -16,32 +16,52 @@ the sending rank, the bucket index and shard, and what was wrong:
 2. replies (step 6): the abort record, then header as in 1, then the decoded shard must be finite.
 
 A rejected bucket's buffer is zeroed on every rank that raises: nothing of it reaches a gradient.
+
+Deferred checks (the default for CUDA buckets; ``TwoWayCompressionState._defer`` selects them on
+any device). The checks above read headers and finiteness flags on the host, and each read waits
+for the device (a ``cudaStreamSynchronize``) on the autograd thread, once per bucket and payload,
+which serialises backward with the exchange. The deferred paths (:func:`reduce_shard_deferred`,
+:func:`finish_deferred`) run the same checks as device ops with no host read: headers are
+compared byte for byte with the expected ones (copied in from pinned memory without blocking),
+and header validity, abort records and finiteness fold into one flag per bucket. A failed
+bucket is zeroed on the device (``masked_fill_``) and handed to DDP as zeros; the owner of a
+shard with a bad push sends an abort record built on the device. The flag reaches the host
+through a non-blocking copy and an event (:class:`DeviceCheck`); the hook reads it at its first
+call of the next iteration (the same point on every rank), where a failed flag raises the same
+:class:`~gradpress.ps.errors.PayloadError` as the immediate checks: :func:`raise_failed` re-runs
+them on the bucket's buffers, still intact then. So an error is raised one step late, after one
+optimizer step that saw the bucket as zeros.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from .compress.header import HEADER_BYTES, Header, pack_header
 from .ps.errors import PayloadError
-from .ps.protocol import decode_reply
+from .ps.protocol import add_push, check_sum, decode_reply
 from .ps.server import reduce_pushes
 
 if TYPE_CHECKING:
     from .compress import Codec
 
 __all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "BucketExchange",
-           "reduce_shard", "finish"]
+           "reduce_shard", "finish", "reduce_shard_deferred", "finish_deferred", "DeviceCheck",
+           "raise_failed"]
 
 # An owner that rejected a push sends this instead of its aggregate: magic b"GX" (never a payload
 # header's b"GP"), 2 zero bytes, the rejected sender's rank (uint32, _NO_RANK when not one rank).
 _ABORT = struct.Struct("<2s2xI")
 _ABORT_MAGIC = b"GX"
 _NO_RANK = 0xFFFFFFFF
+# Header bytes compared by the deferred checks: those Codec.check_header compares (magic, codec
+# id, version, key, numel, step: bytes 0-23; fingerprint: 32-35), not lr (24-31) nor flags (36-39).
+_CHECKED = [(0, 24), (32, 36)]
 
 
 def shard_bounds(numel: int, world: int) -> list[tuple[int, int]]:
@@ -94,6 +114,39 @@ class BucketCodecs:
         self.gathered = torch.zeros(world * self.slot, **u8)
         self.acc = torch.zeros(hi - lo, dtype=torch.float32, device=device)
         self._stage: torch.Tensor | None = None  # fp32 decode target for non-fp32 buckets
+        self._consts: dict[str, torch.Tensor] | None = None  # of the deferred checks
+
+    def consts(self) -> dict[str, torch.Tensor]:
+        """Small constants of the deferred checks, made on the device by kernels (no copy)."""
+        if self._consts is None:
+            dev = self.acc.device
+            mask = torch.zeros(HEADER_BYTES, dtype=torch.bool, device=dev)
+            for lo, hi in _CHECKED:
+                mask[lo:hi].fill_(True)
+            prefix = torch.zeros(4, dtype=torch.uint8, device=dev)  # b"GX", 2 zero bytes
+            for i, byte in enumerate(_ABORT_MAGIC):
+                prefix[i:i + 1].fill_(byte)
+            self._consts = {"mask": mask, "prefix": prefix,
+                            "ranks": torch.arange(self.world, device=dev),
+                            "shifts": torch.arange(0, 32, 8, device=dev)}
+        return self._consts
+
+    def expected(self, heads: Sequence[Header]) -> torch.Tensor:
+        """The header bytes of ``heads`` as a (len(heads), HEADER_BYTES) uint8 tensor on the
+        device: packed on the host, copied in from pinned memory without blocking (the caching
+        host allocator keeps the block until the copy has run)."""
+        raw = torch.empty(len(heads), HEADER_BYTES, dtype=torch.uint8)
+        for row, h in zip(raw, heads):
+            pack_header(row, h)
+        if self.acc.device.type == "cpu":
+            return raw
+        return raw.pin_memory().to(self.acc.device, non_blocking=True)
+
+    def header_mismatch(self, buf: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+        """Bool (world,): whether the header of slot i of ``buf`` differs from ``expected``
+        (one row per slot, or one row for all) in a checked byte; device ops only."""
+        heads = buf.view(self.world, self.slot)[:, :HEADER_BYTES]
+        return ((heads != expected) & self.consts()["mask"]).any(dim=1)
 
     def payload(self, buf: torch.Tensor, i: int, shard: int) -> torch.Tensor:
         """The bytes of slot i of ``buf`` that hold a payload of shard ``shard``."""
@@ -135,10 +188,19 @@ class BucketExchange:
     """A bucket whose payload exchange (step 3) is in flight."""
 
     def __init__(self, index: int, buffer: torch.Tensor, codecs: BucketCodecs, step: int,
-                 group: Any, work: Any) -> None:
+                 group: Any, work: Any, *, iteration: int = 0, deferred: bool = False) -> None:
         self.index, self.buffer, self.codecs, self.step = index, buffer, codecs, step
         self.group, self.work = group, work
-        self.future: torch.futures.Future = torch.futures.Future()
+        self.iteration, self.deferred = iteration, deferred
+        # A CUDA bucket needs a CUDA-aware future (torch/futures/__init__.py, Future.__init__
+        # and set_result): set_result then records an event on the current stream, the one
+        # step 6 enqueued its decode kernels on (the pool stream of the all-gather's callback),
+        # and DDP's wait() makes its own stream wait for it. A future without devices records
+        # nothing (ATen/core/ivalue_inl.h, Future::markCompleted: "users using CUDA values but
+        # forgetting to set devices ... silent synchronization/correctness issue"), so DDP could
+        # read the bucket before those kernels ran. CPU buckets keep the plain future.
+        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        self.future: torch.futures.Future = torch.futures.Future(devices=devices)
 
     def label(self, shard: int) -> str:
         """Where a check failed, as error messages name it."""
@@ -199,3 +261,122 @@ def _check_abort(job: BucketExchange, p: torch.Tensor, owner: int) -> None:
                        f"and aborted bucket {job.index} (rank {owner}'s error says why)",
                        key=bucket_key(job.index, owner, job.codecs.world),
                        peer=None if culprit == _NO_RANK else f"rank {culprit}", stage="push")
+
+
+# -- deferred checks (see the module docstring) ----------------------------------------------------
+def _expected_head(codec: Codec, key: int, step: int) -> Header:
+    """The header ``codec``'s payload of ``key`` at ``step`` must carry (lr is not checked)."""
+    return Header(codec.codec_id, key, codec.numel, step, None, codec.fingerprint)
+
+
+def reduce_shard_deferred(ex: BucketExchange, lr: float | None) -> None:
+    """Step 4 without host reads: :func:`reduce_shard`'s checks folded into device flags.
+
+    Every push is decode-added with no header read; its header is compared on the device, and
+    the running sum's finiteness recorded after each push (so the first sender whose push makes
+    it non-finite is known, as ``check_sum`` finds it on the host). When a push fails, the sum
+    is zeroed before the server codec compresses it (its residual takes zeros; the state stops
+    at the error anyway) and the first 8 bytes of ``agg`` become the abort record naming the
+    first failing sender: one with a bad header, else the first non-finite partial sum.
+    A codec's own decode check that raises (host side) falls back to :func:`reduce_shard`.
+    """
+    c = ex.codecs
+    key = bucket_key(ex.index, c.rank, c.world)
+    head = _expected_head(c.server, key, ex.step)
+    bad = c.header_mismatch(c.recv, c.expected([head]))
+    c.acc.zero_()
+    finite = []
+    try:
+        for src in range(c.world):
+            if c.server.numel:
+                body = c.payload(c.recv, src, c.rank)[HEADER_BYTES:]
+                c.server._decode_add(body, c.acc, 1.0, head)
+            finite.append(torch.isfinite(c.acc).all())
+    except ValueError:
+        reduce_shard(ex, lr)  # today's checks name the sender (a PayloadError), or it passes
+        return
+    culprits = torch.where(bad.any(), bad, ~torch.stack(finite))
+    ok = ~culprits.any()
+    if c.world != 1:
+        c.acc.div_(c.world)
+    c.acc.masked_fill_(~ok, 0.0)
+    c.server.compress(c.acc, key=key, step=ex.step, lr=lr, out=c.agg[:c.server.payload_bytes])
+    k = c.consts()
+    first = torch.where(culprits, k["ranks"], c.world).min()
+    record = torch.cat([k["prefix"], ((first >> k["shifts"]) & 0xFF).to(torch.uint8)])
+    head_bytes = c.agg[:_ABORT.size]
+    head_bytes.copy_(torch.where(ok, head_bytes, record))
+
+
+def finish_deferred(job: BucketExchange) -> torch.Tensor:
+    """Step 6 without host reads: decode every shard into the bucket buffer, fold the header
+    checks (an abort record fails them too) and finiteness into one 0-d bool device tensor, and
+    zero the buffer on the device when it is False. Returns that flag. A codec's own decode
+    check that raises falls back to :func:`finish` (which raises the PayloadError)."""
+    c, buf = job.codecs, job.buffer
+    heads = [_expected_head(w, bucket_key(job.index, s, c.world), job.step)
+             for s, w in enumerate(c.workers)]
+    bad = c.header_mismatch(c.gathered, c.expected(heads))
+    finite = []
+    try:
+        for s, (lo, hi) in enumerate(c.bounds):
+            out = buf[lo:hi] if buf.dtype == torch.float32 else c.stage(hi - lo)
+            if hi > lo:
+                c.workers[s]._decode(c.payload(c.gathered, s, s)[HEADER_BYTES:], out, heads[s])
+            finite.append(torch.isfinite(out).all())
+            if buf.dtype != torch.float32:
+                buf[lo:hi].copy_(out)
+    except ValueError:
+        finish(job)
+        return torch.ones((), dtype=torch.bool, device=buf.device)
+    ok = ~bad.any() & torch.stack(finite).all()
+    buf.masked_fill_(~ok, 0)
+    return ok
+
+
+class DeviceCheck:
+    """The flag of one deferred bucket on its way to the host: on CUDA a non-blocking copy into
+    pinned memory and an event recorded after it on the current stream (in step 6 the stream
+    its kernels ran on); on the CPU the flag itself, complete already."""
+
+    def __init__(self, job: BucketExchange, ok: torch.Tensor) -> None:
+        self.job = job
+        self.event: torch.cuda.Event | None = None
+        if ok.device.type == "cuda":
+            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.flag.copy_(ok, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag = ok
+
+    def passed(self) -> bool:
+        """The flag; on CUDA waits for the event first (``cudaEventSynchronize``: only this
+        bucket's step 6, not the streams' later work; read one iteration later, it has
+        usually completed, and the wait returns at once)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.flag)
+
+
+def raise_failed(job: BucketExchange) -> None:
+    """A deferred bucket failed on the device: re-run the immediate checks on its buffers
+    (``recv`` and ``gathered`` are intact until the bucket's next step) to raise the same
+    :class:`PayloadError` as they would have: the owner's push checks first, then the replies."""
+    c = job.codecs
+    key = bucket_key(job.index, c.rank, c.world)
+    senders = [f"rank {src}" for src in range(c.world)]
+    pushes = [c.payload(c.recv, src, c.rank) for src in range(c.world)]
+    scratch = torch.zeros_like(c.acc)
+    for who, p in zip(senders, pushes):
+        add_push(c.server, p, scratch, key=key, step=job.step, sender=who,
+                 label=job.label(c.rank))
+    check_sum(scratch, c.server, pushes, senders, key=key, label=job.label(c.rank))
+    for s, (lo, hi) in enumerate(c.bounds):
+        p = c.payload(c.gathered, s, s)
+        _check_abort(job, p, s)
+        decode_reply(c.workers[s], p, torch.empty(hi - lo, device=c.acc.device),
+                     key=bucket_key(job.index, s, c.world), step=job.step,
+                     sender=f"rank {s} (owner of shard {s})", label=job.label(s))
+    raise PayloadError(f"{job.label(c.rank)}: the device-side checks of bucket {job.index} "
+                       f"failed, but the host-side checks pass", key=key, stage="pull")

@@ -17,6 +17,7 @@ hyperparameters and the per-bucket state, and a pure hook function.
 import copy
 import functools
 import logging
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,10 +27,14 @@ import torch.distributed as dist
 from ._ddp_buckets import (
     BucketCodecs,
     BucketExchange,
+    DeviceCheck,
     all_gather_async,
     bucket_key,
     finish,
+    finish_deferred,
+    raise_failed,
     reduce_shard,
+    reduce_shard_deferred,
 )
 from .compress import Codec, EFSpec, build
 from .ps.errors import GradpressError, PayloadError
@@ -85,7 +90,8 @@ class TwoWayCompressionState:
 
     __slots__ = ("process_group", "_lr", "_spec", "_ef", "_min_compress_bytes",
                  "_dense_steps", "_seed", "_overlap", "iter", "_buckets", "_steps",
-                 "_loaded", "_resumed_at", "_inflight", "_stats", "_error")
+                 "_loaded", "_resumed_at", "_inflight", "_stats", "_error", "_defer",
+                 "_checks")
 
     def __init__(self, spec: str = "onebit", ef: str | EFSpec | None = "vanilla", *,
                  min_compress_bytes: int = 1 << 20, dense_steps: int = 0, seed: int = 0,
@@ -104,6 +110,9 @@ class TwoWayCompressionState:
         self._overlap = bool(overlap)
         self.process_group = process_group
         self.lr = lr
+        # Internal switch: None checks CUDA buckets on the device, read one step late at most,
+        # and CPU buckets at once; True/False forces deferred/immediate checks on any device.
+        self._defer: bool | None = None
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -117,6 +126,7 @@ class TwoWayCompressionState:
         # exception: its traceback's frames would keep the bucket (and through DDP's reducer the
         # process group) alive in a cycle until interpreter exit, where gloo aborts.
         self._error: str | None = None
+        self._checks: deque[DeviceCheck] = deque()  # deferred buckets' flags, in bucket order
         self._stats = dict.fromkeys(("compressed_buckets", "allreduced_buckets", "dense_bytes",
                                      "payload_bytes", "allreduce_bytes"), 0)
 
@@ -164,6 +174,7 @@ class TwoWayCompressionState:
         if self._inflight is not None:
             raise RuntimeError("TwoWayCompressionState.state_dict: a bucket is in flight; call "
                                "it between iterations (after backward has finished)")
+        self.check_pending()
         buckets = {i: dict(s) for i, s in self._loaded.items()}
         buckets.update({i: c.state_dict() for i, c in self._buckets.items()})
         return {"version": _STATE_VERSION, "iter": self.iter, "steps": dict(self._steps),
@@ -191,6 +202,7 @@ class TwoWayCompressionState:
             raise RuntimeError("TwoWayCompressionState.load_state_dict: a bucket is in flight")
         self.iter = int(state["iter"])
         self._error = None
+        self._checks.clear()
         self._steps = {int(i): int(s) for i, s in state["steps"].items()}
         self._loaded = {}
         for i, saved in state["buckets"].items():
@@ -263,7 +275,9 @@ class TwoWayCompressionState:
                                        lr=self.lr, out=codecs.payload(codecs.send, s, s))
         # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
         work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
-        self._inflight = BucketExchange(index, buf, codecs, step, group, work)
+        deferred = self._defer if self._defer is not None else buf.device.type == "cuda"
+        self._inflight = BucketExchange(index, buf, codecs, step, group, work,
+                                        iteration=self.iter, deferred=deferred)
         self._stats["compressed_buckets"] += 1
         self._stats["dense_bytes"] += buf.numel() * 4
         self._stats["payload_bytes"] += codecs.send.numel() + codecs.slot
@@ -277,12 +291,16 @@ class TwoWayCompressionState:
         try:
             job.work.wait()
             try:
-                reduce_shard(job, self.lr)
+                (reduce_shard_deferred if job.deferred else reduce_shard)(job, self.lr)
             except PayloadError:
                 self._abort(job)
                 raise
             c = job.codecs
             work = all_gather_async(c.gathered, c.agg, job.group)
+            # The callback (holding the job) is dropped on gloo's thread once it has run: were
+            # the job's group the last reference, gloo would join that thread from itself and
+            # abort ("Resource deadlock avoided"). The job needs the group no more.
+            job.group = None
             work.get_future().then(functools.partial(self._gathered, job))
         except BaseException as e:
             _set_exception(job.future, e)
@@ -300,15 +318,44 @@ class TwoWayCompressionState:
                         job.index, e)
 
     def _gathered(self, job: BucketExchange, fut: torch.futures.Future) -> None:
-        """Step 6, on the communication thread when the all-gather completes."""
+        """Step 6, when the all-gather completes: on gloo's thread, or (NCCL, whose work future
+        completes when the collective is enqueued) inline in ``_drain``, on a pool stream that
+        waits for the all-gather (ATen/core/ivalue_inl.h, Future::invokeCallback)."""
         try:
             fut.wait()  # re-raises a failed all-gather
-            finish(job)
+            if job.deferred:
+                self._checks.append(DeviceCheck(job, finish_deferred(job)))
+            else:
+                finish(job)
         except Exception as e:
             self._error = self._error or _describe(e)
             _set_exception(job.future, e)
             return
         job.future.set_result(job.buffer)
+
+    def _resolve_checks(self, wait_all: bool = False) -> None:
+        """Read the flags of the deferred buckets of earlier iterations (all with ``wait_all``),
+        in bucket order; a failed one raises its PayloadError (``raise_failed``). The hook
+        calls this first, so a flag is read at the first hook call of the next iteration: the
+        same point on every rank (the flags come from all-gathered bytes, identical on every
+        rank), before any collective of that iteration, so the ranks' collectives stay matched.
+        """
+        while self._checks and (wait_all or self._checks[0].job.iteration < self.iter):
+            check = self._checks.popleft()
+            if not check.passed():
+                self._checks.clear()
+                raise_failed(check.job)
+
+    def check_pending(self) -> None:
+        """Wait for the deferred checks of the buckets finished so far and raise the
+        :class:`~gradpress.ps.errors.PayloadError` of one that failed (CUDA buckets are checked
+        on the device and read by the hook one iteration late at most; call this after the last
+        backward pass to see an error of the last iteration; :meth:`state_dict` calls it)."""
+        try:
+            self._resolve_checks(wait_all=True)
+        except BaseException as e:
+            self._fail(e)
+            raise
 
     def _fail(self, exc: BaseException) -> None:
         """Fail the bucket in flight; this state stops (see ``_check_usable``)."""
@@ -385,6 +432,14 @@ def two_way_compression_hook(
     abort record it all-gathers in step 5, on every other rank. The bucket buffer is then zeroed
     and the state refuses further buckets (:class:`~gradpress.ps.errors.GradpressError`).
 
+    CUDA buckets are checked on the device, with no host synchronisation per bucket (so
+    backward keeps overlapping the exchange): a failed bucket is zeroed there and handed to DDP
+    as zeros, and its PayloadError (the same text) is raised on every rank by the first hook
+    call of the next iteration, before its collectives: one optimizer step late; call
+    ``state.check_pending()`` after the last backward pass (``state_dict`` does) to see an error
+    of the last iteration. The bucket's future is CUDA-aware, so DDP's stream waits for the
+    decode kernels before it reads the result.
+
     Buckets below ``state.min_compress_bytes`` and iterations before
     ``state.dense_steps`` use a plain averaging allreduce.
 
@@ -415,6 +470,7 @@ def two_way_compression_hook(
                         f"{buf.dtype}, expected a floating dtype")
     state._check_usable(bucket.index())
     try:
+        state._resolve_checks()  # deferred checks of earlier buckets (may raise their error)
         state._drain()  # steps 4-5 of the previous bucket, before any new collective
         if state.iter >= state.dense_steps and not state._awaits_saved_layout(bucket) \
                 and buf.numel() * 4 >= max(state.min_compress_bytes, 1):
