@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import transfer
 from .base import Codec, register
 from .cast import _require_cpu
 from .header import Header
@@ -128,9 +129,11 @@ class Dithering(Codec):
         return np.concatenate([mag, -mag])
 
     # -- encode -----------------------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
-        torch_ops = self.use_torch(x.device)
-        norm, finite = _norm_torch(x, self.l2) if torch_ops else _norm_numba(x.numpy(), self.l2)
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                step: int) -> torch.Tensor | None:
+        if self.use_torch(x.device):
+            return self._encode_torch(x, body, key, step)
+        norm, finite = _norm_numba(x.numpy(), self.l2)
         if not finite:
             if self.nan_policy == "raise":
                 self._check_finite(x, key)  # raises, with the message every codec uses
@@ -141,14 +144,26 @@ class Dithering(Codec):
         else:
             pre, scale = self._scales(norm)
             k0, k1 = stream_keys(self.seed, key, step)
-            if torch_ops:
-                body[:self.code_bytes].copy_(self._quantize_torch(x, pre, scale, k0, k1))
-            else:
-                kernel = K.encode_natural if self.natural else K.encode_linear
-                kernel(x.numpy(), body.numpy()[:self.code_bytes], self.bits, self.s,
-                       np.float32(pre), np.float32(scale), np.uint32(k0), np.uint32(k1))
-        raw = torch.frombuffer(bytearray(np.float32(norm).tobytes()), dtype=torch.uint8)
-        body[self.code_bytes:].copy_(raw)
+            kernel = K.encode_natural if self.natural else K.encode_linear
+            kernel(x.numpy(), body.numpy()[:self.code_bytes], self.bits, self.s,
+                   np.float32(pre), np.float32(scale), np.uint32(k0), np.uint32(k1))
+        body.numpy()[self.code_bytes:] = np.frombuffer(np.float32(norm).tobytes(), np.uint8)
+        return None
+
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                      step: int) -> torch.Tensor | None:
+        """Torch twin of the numba path with the norm kept on the device (nothing is read on
+        the host): a zero or non-finite norm selects all-zero codes with ``torch.where``; the
+        finiteness flag is returned under "raise"."""
+        norm, finite = _norm_torch(x, self.l2)
+        pre, scale = self._scales_torch(norm)
+        k0, k1 = stream_keys(self.seed, key, step)
+        codes = self._codes_torch(x, pre, scale, k0, k1)
+        codes = torch.where(finite & (norm != 0.0), codes, 0)
+        body[:self.code_bytes].copy_(_pack_torch(codes, self.bits, self.code_bytes))
+        stored = torch.where(finite, norm, torch.nan)
+        body[self.code_bytes:].copy_(stored.reshape(1).view(torch.uint8))
+        return finite if self.nan_policy == "raise" else None
 
     def _scales(self, norm: float) -> tuple[float, float]:
         """``(pre, scale)``, float32 values with ``(|x| * pre) * scale = L * |x| / norm`` (L = s
@@ -157,11 +172,23 @@ class Dithering(Codec):
         top = 1.0 if self.natural else float(self.s)
         return pre, float(np.float32(top / (norm * pre)))
 
-    def _quantize_torch(self, x: torch.Tensor, pre: float, scale: float, k0: int,
-                        k1: int) -> torch.Tensor:
-        """Torch-op twin of the numba kernels (same float32 operations, same codes)."""
+    def _scales_torch(self, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_scales` of a 0-d float32 device tensor, as 0-d float32 tensors (the same
+        float64 operations: a tensor division, not ``float / tensor``, which torch computes as
+        a reciprocal and a product)."""
+        n64 = norm.to(torch.float64)
+        one = torch.ones((), dtype=torch.float64, device=norm.device)
+        pre = torch.where(n64 < 2.0 ** -64, one * 2.0 ** 64,
+                          torch.where(n64 >= 2.0 ** 64, one * 2.0 ** -64, one))
+        top = one * (1.0 if self.natural else float(self.s))
+        return pre.to(torch.float32), torch.div(top, n64 * pre).to(torch.float32)
+
+    def _codes_torch(self, x: torch.Tensor, pre: torch.Tensor, scale: torch.Tensor, k0: int,
+                     k1: int) -> torch.Tensor:
+        """Torch-op twin of the numba kernels (same float32 operations, same codes): the int64
+        codes ``level | sign << (b-1)`` (meaningless for a zero or non-finite norm)."""
         idx = torch.arange(self.numel, dtype=torch.int64, device=x.device)
-        h = _hash32_torch(idx, k0, k1)
+        h = _hash32_torch(idx, k0, k1, wide=(self.numel - 1) >> 32 != 0)
         u = (h >> 8).to(torch.float32) * 2.0 ** -24
         y = (x.abs() * pre) * scale
         if self.natural:
@@ -176,7 +203,7 @@ class Dithering(Codec):
             lo = y.to(torch.int32).clamp_max(self.s - 1)
             level = lo.to(torch.int64) + (u < y - lo.to(torch.float32)).to(torch.int64)
         sign = (x.view(torch.int32) < 0).to(torch.int64) << (self.bits - 1)
-        return _pack_torch(level | sign, self.bits, self.code_bytes)
+        return level | sign
 
     # -- error feedback (see Codec's docstring): a norm pass, then one pass writing everything --
     def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
@@ -235,7 +262,7 @@ class Dithering(Codec):
         if self.use_torch(out.device):
             norm = body[self.code_bytes:].clone().view(torch.float32).to(torch.float64)
             table = (self._levels_on(out.device) * (norm * alpha)).to(torch.float32)
-            vals = table[_unpack_torch(codes, self.bits, self.numel)]
+            vals = table.index_select(0, _unpack_torch(codes, self.bits, self.numel))
             if add:
                 out.add_(vals)
             else:
@@ -248,8 +275,23 @@ class Dithering(Codec):
     def _levels_on(self, device: torch.device) -> torch.Tensor:
         t = self._dev_levels.get(str(device))
         if t is None:
-            t = self._dev_levels[str(device)] = torch.from_numpy(self._signed_levels).to(device)
+            t = self._dev_levels[str(device)] = torch.empty(len(self._signed_levels),
+                                                            dtype=torch.float64, device=device)
+            transfer.host_to(t, torch.from_numpy(self._signed_levels))  # no host sync
         return t
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        """Finite norm, and (unless every ``b - 1``-bit level index is valid) no code naming
+        a level above ``s`` (those decode to NaN): a host scan of the codes."""
+        if not math.isfinite(float(body[self.code_bytes:].copy().view(np.float32)[0])):
+            return False
+        if 1 << (self.bits - 1) == self.s + 1:
+            return True
+        mask = (np.arange(1 << self.bits) & ((1 << (self.bits - 1)) - 1)) > self.s
+        bad = np.where(mask, np.float32(np.nan), np.float32(0.0)).astype(np.float32)
+        out = np.empty(self.numel, np.float32)
+        K.decode(body[:self.code_bytes], self.bits, bad, out)
+        return bool(np.isfinite(out).all())
 
 
 def _code_bits(s: int) -> int:
@@ -275,17 +317,44 @@ def _norm_numba(x: np.ndarray, l2: bool) -> tuple[float, bool]:
     return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
 
 
-def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[float, bool]:
-    """Torch twin of :func:`_norm_numba` (the same partial sums, in the same order, on CPU)."""
+def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`_norm_numba`, kept on the device: ``(norm, finite)`` as a 0-d
+    float32 and a 0-d bool tensor (for a non-finite input the norm is meaningless)."""
     if l2:
-        sq = x.to(torch.float64).square()
-        pad = (-sq.numel()) % K.LANES
-        if pad:
-            sq = torch.cat([sq, sq.new_zeros(pad)])
-        lanes = sq.view(-1, K.LANES).cumsum(0)[-1]  # sequential per lane, as the numba loop
-        return _l2_norm(lanes.tolist())
-    bits = int((x.view(torch.int32) & 0x7FFFFFFF).max())
-    return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
+        total = _combine_torch(sumsq_lanes_torch(x))
+        finite = torch.isfinite(total)
+        return total.sqrt().clamp_max(_F32_MAX).to(torch.float32), finite
+    bits = (x.view(torch.int32) & 0x7FFFFFFF).max()
+    return bits.reshape(1).view(torch.float32)[0], bits < 0x7F800000
+
+
+def sumsq_lanes_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`.kernels.dithering.sumsq_lanes` with torch ops: the same tree of float64 sums
+    (a deterministic parallel reduction: halving steps over the rows of each ``BLOCK``, then
+    over the zero-padded block sums), hence the same ``LANES`` partial sums bit for bit."""
+    n = x.numel()
+    nblk = max(1, -(-n // K.BLOCK))
+    a = torch.zeros(nblk * K.BLOCK, dtype=torch.float64, device=x.device)
+    a[:n] = x
+    a = a.square_().view(nblk, K.BLOCK)
+    w = K.BLOCK
+    while w > K.LANES:
+        w //= 2
+        a = a[:, :w] + a[:, w:2 * w]
+    q = 1 << (nblk - 1).bit_length()
+    sums = torch.zeros(q, K.LANES, dtype=torch.float64, device=x.device)
+    sums[:nblk] = a
+    while q > 1:
+        q //= 2
+        sums = sums[:q] + sums[q:2 * q]
+    return sums[0]
+
+
+def _combine_torch(lanes: torch.Tensor) -> torch.Tensor:
+    """:func:`_combine` of a 1-D tensor of ``LANES`` sums (adjacent pairs, then their sums)."""
+    while lanes.numel() > 1:
+        lanes = lanes[0::2] + lanes[1::2]
+    return lanes[0]
 
 
 # -- torch twins of the hash and the bit packing ----------------------------------------------
@@ -296,10 +365,11 @@ def _mul32(a: torch.Tensor, m: int) -> torch.Tensor:
     return (lo + hi) & 0xFFFFFFFF
 
 
-def _hash32_torch(idx: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
-    """:func:`gradpress.compress.kernels.dithering.hash32` of element indices, as int64."""
+def _hash32_torch(idx: torch.Tensor, k0: int, k1: int, *, wide: bool = False) -> torch.Tensor:
+    """:func:`gradpress.compress.kernels.dithering.hash32` of element indices, as int64;
+    ``wide``: some index is ``>= 2**32`` (known on the host from numel: nothing is read)."""
     kk1: torch.Tensor | int = k1
-    if idx.numel() and int(idx[-1]) >> 32:
+    if wide:
         kk1 = k1 ^ (((idx >> 32) * _GOLD32) & 0xFFFFFFFF)
     h = (idx & 0xFFFFFFFF) ^ k0
     h = h ^ (h >> 16)

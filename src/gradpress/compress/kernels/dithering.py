@@ -45,7 +45,7 @@ __all__ = ["BLOCK", "LANES", "hash32", "hash32_np", "max_abs_bits", "sumsq_lanes
            "max_abs_ef", "encode_ef"]
 
 BLOCK = 4096  # elements per block; a multiple of 8 (blocks start on a byte) dividing 2**32
-LANES = 8  # independent float64 partial sums of the l2 norm (fixed order, reproduced by torch)
+LANES = 8  # float64 partial sums of the l2 norm (fixed tree order, reproduced by torch ops)
 
 _U8 = np.uint32(8)
 _U9 = np.uint32(9)
@@ -97,20 +97,39 @@ def max_abs_bits(xb: np.ndarray) -> np.uint32:
 
 @numba.njit(cache=True, nogil=True)
 def sumsq_lanes_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
-    """``LANES`` float64 partial sums of p**2 (``p`` = :func:`.common.ef_p` of ``g, e, r, mode``),
-    lane ``j`` summing elements ``i % LANES == j`` in index order (squares of float32 are exact in
-    float64; the sum is non-finite iff p is)."""
-    acc = np.zeros(LANES, np.float64)
+    """``LANES`` float64 partial sums of p**2 (``p`` = :func:`.common.ef_p` of ``g, e, r, mode``):
+    lane ``j`` sums the elements ``i % LANES == j`` in a fixed tree order that a parallel
+    reduction reproduces (:func:`gradpress.compress.dithering.sumsq_lanes_torch`): per block of
+    ``BLOCK`` elements (rows of ``LANES``, zero-padded), a halving tree over the rows
+    (row ``r`` += row ``r + R/2``, R = 512, 256, ..., 2); then the block sums, zero-padded to a
+    power of two, by the same halving tree. Squares of float32 are exact in float64 and adding
+    +0.0 changes nothing, so the sum is non-finite exactly when p is."""
     n = g.shape[0]
-    full = n - n % LANES
-    for q in range(0, full, LANES):
-        for j in range(LANES):
-            v = np.float64(ef_p(g, e, r, mode, q + j))
-            acc[j] += v * v
-    for i in range(full, n):
-        v = np.float64(ef_p(g, e, r, mode, i))
-        acc[i - full] += v * v
-    return acc
+    nblk = max(1, (n + BLOCK - 1) // BLOCK)
+    q = 1
+    while q < nblk:
+        q *= 2
+    sums = np.zeros((q, LANES), np.float64)
+    buf = np.empty(BLOCK, np.float64)
+    for b in range(nblk):
+        lo = b * BLOCK
+        c = min(BLOCK, n - lo)
+        for i in range(c):
+            v = np.float64(ef_p(g, e, r, mode, lo + i))
+            buf[i] = v * v
+        buf[c:] = 0.0
+        w = BLOCK
+        while w > LANES:
+            w //= 2
+            for i in range(w):
+                buf[i] += buf[i + w]
+        sums[b, :] = buf[:LANES]
+    while q > 1:
+        q //= 2
+        for b in range(q):
+            for j in range(LANES):
+                sums[b, j] += sums[b + q, j]
+    return sums[0].copy()
 
 
 @numba.njit(cache=True, nogil=True)
