@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
-from .base import Codec, CodecWrapper, check_state_keys
+from .base import Codec
 from .header import Header
 from .spec import EFSpec, parse_ef
+from .wrapper import CodecWrapper, check_state_keys
 
 __all__ = ["ErrorFeedback"]
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from .base import Codec, CodecWrapper, check_state_keys
+from .base import Codec
 from .header import Header
+from .wrapper import CodecWrapper, check_state_keys
 
 __all__ = ["NesterovMomentum"]
 
