@@ -13,8 +13,9 @@ Parameters (spec ``dithering:s=7,partition=linear,normalize=max``):
 
 Encoding (steps numbered as in :mod:`gradpress.compress.kernels.dithering`):
 
-1. ``norm`` is computed (squares summed in float64, in ``LANES`` interleaved partial sums added
-   in a fixed order), stored as float32 and used as such below (an l2 norm above the float32
+1. ``norm`` is computed (squares summed in float64 in a fixed blocked order that torch ops
+   reproduce bit for bit as a parallel reduction, :func:`sumsq_torch`), stored as float32 and
+   used as such below (an l2 norm above the float32
    range is stored as the largest float32, which still bounds max|x|).
 2. Each element's ``r = |x| / norm`` lies in [0, 1]; with ``lo <= r <= hi`` the adjacent levels,
    it becomes ``hi`` with probability ``(r - lo) / (hi - lo)``, else ``lo``: ``E[level] = r``.
@@ -35,9 +36,10 @@ Payload body (after the 40-byte header), ``b = ceil(log2(s + 1)) + 1`` bits per 
 e.g. ``s=7``: 4 bits per element, two per byte, element 2j in the low nibble of byte j.
 
 Non-finite input: ``nan_policy='raise'`` raises ValueError (detected by the norm pass, no extra
-scan); ``'allow'`` encodes the whole chunk as NaN (codes 0, norm NaN), so the NaN reaches the
-receiver as it would uncompressed. Codes naming a level above ``s`` (impossible from an encoder)
-decode to NaN.
+scan; with torch ops the norm stays on the device and the check is a device flag, see
+:meth:`~gradpress.compress.base.Codec.compress`); ``'allow'`` encodes the whole chunk as NaN
+(codes 0, norm NaN), so the NaN reaches the receiver as it would uncompressed. Codes naming a
+level above ``s`` (impossible from an encoder) decode to NaN.
 
 Error feedback on CPU (``_encode_ef_fused``): the norm pass reads ``p = x + e`` on the fly, then
 one pass stores ``p`` over ``e``, quantizes it and subtracts the decoded value in place; a zero or
@@ -82,13 +84,6 @@ def stream_keys(seed: int, key: int, step: int) -> tuple[int, int]:
     z = _splitmix64(z ^ (key & _M64))
     z = _splitmix64(z ^ (step & _M64))
     return z & 0xFFFFFFFF, z >> 32
-
-
-def _combine(lanes: list[float]) -> float:
-    """Sum the ``LANES`` partial sums in a fixed pairwise order (identical on every backend)."""
-    while len(lanes) > 1:
-        lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
-    return lanes[0]
 
 
 @register
@@ -228,7 +223,7 @@ class Dithering(Codec):
         ``e`` when ``res`` is None); False, nothing written, for a zero or non-finite norm."""
         # 1. the norm of p (and the finite check) before anything is written
         if self.l2:
-            norm, finite = _l2_norm([float(v) for v in K.sumsq_lanes_ef(g, e, r, mode)])
+            norm, finite = _l2_norm(float(K.sumsq_ef(g, e, r, mode)))
         else:
             m = int(K.max_abs_ef(g, e, r, mode))
             norm, finite = float(np.uint32(m).view(np.float32)), m < 0x7F800000
@@ -300,10 +295,9 @@ def _code_bits(s: int) -> int:
 
 
 # -- norm (step 1) ----------------------------------------------------------------------------
-def _l2_norm(lanes: list[float]) -> tuple[float, bool]:
-    """float32 l2 norm from the partial sums of squares; an l2 norm beyond the float32 range
+def _l2_norm(total: float) -> tuple[float, bool]:
+    """float32 l2 norm from the float64 sum of squares; an l2 norm beyond the float32 range
     (finite input) becomes the largest float32, still >= max|x|, so quantization stays exact."""
-    total = _combine(lanes)
     if not math.isfinite(total):
         return total, False
     return float(np.float32(min(math.sqrt(total), _F32_MAX))), True
@@ -312,7 +306,7 @@ def _l2_norm(lanes: list[float]) -> tuple[float, bool]:
 def _norm_numba(x: np.ndarray, l2: bool) -> tuple[float, bool]:
     """``(norm as float32 value, all finite)`` by one numba pass."""
     if l2:
-        return _l2_norm([float(v) for v in K.sumsq_lanes(x)])
+        return _l2_norm(float(K.sumsq(x)))
     bits = int(K.max_abs_bits(x.view(np.uint32)))
     return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
 
@@ -321,40 +315,37 @@ def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of :func:`_norm_numba`, kept on the device: ``(norm, finite)`` as a 0-d
     float32 and a 0-d bool tensor (for a non-finite input the norm is meaningless)."""
     if l2:
-        total = _combine_torch(sumsq_lanes_torch(x))
+        total = sumsq_torch(x)
         finite = torch.isfinite(total)
         return total.sqrt().clamp_max(_F32_MAX).to(torch.float32), finite
     bits = (x.view(torch.int32) & 0x7FFFFFFF).max()
     return bits.reshape(1).view(torch.float32)[0], bits < 0x7F800000
 
 
-def sumsq_lanes_torch(x: torch.Tensor) -> torch.Tensor:
-    """:func:`.kernels.dithering.sumsq_lanes` with torch ops: the same tree of float64 sums
-    (a deterministic parallel reduction: halving steps over the rows of each ``BLOCK``, then
-    over the zero-padded block sums), hence the same ``LANES`` partial sums bit for bit."""
+def sumsq_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`.kernels.dithering.sumsq` with torch ops, a 0-d float64 tensor: the same float64
+    additions in the same order (``ROWS`` lane-wise adds per block, halving trees over the lanes
+    and over the zero-padded block sums), hence the same sum bit for bit; a deterministic
+    parallel reduction (replacing a sequential ``cumsum``, issue #30)."""
     n = x.numel()
     nblk = max(1, -(-n // K.BLOCK))
     a = torch.zeros(nblk * K.BLOCK, dtype=torch.float64, device=x.device)
     a[:n] = x
-    a = a.square_().view(nblk, K.BLOCK)
-    w = K.BLOCK
-    while w > K.LANES:
+    a = a.square_().view(nblk, K.ROWS, K.LANES)
+    acc = a[:, 0, :].clone()
+    for r in range(1, K.ROWS):
+        acc += a[:, r, :]
+    w = K.LANES
+    while w > 1:
         w //= 2
-        a = a[:, :w] + a[:, w:2 * w]
+        acc = acc[:, :w] + acc[:, w:2 * w]
     q = 1 << (nblk - 1).bit_length()
-    sums = torch.zeros(q, K.LANES, dtype=torch.float64, device=x.device)
-    sums[:nblk] = a
+    sums = torch.zeros(q, dtype=torch.float64, device=x.device)
+    sums[:nblk] = acc[:, 0]
     while q > 1:
         q //= 2
         sums = sums[:q] + sums[q:2 * q]
     return sums[0]
-
-
-def _combine_torch(lanes: torch.Tensor) -> torch.Tensor:
-    """:func:`_combine` of a 1-D tensor of ``LANES`` sums (adjacent pairs, then their sums)."""
-    while lanes.numel() > 1:
-        lanes = lanes[0::2] + lanes[1::2]
-    return lanes[0]
 
 
 # -- torch twins of the hash and the bit packing ----------------------------------------------

@@ -19,7 +19,9 @@ Kinds (:class:`~gradpress.compress.spec.EFSpec`; how to choose: docs/guide.md):
   ``lr_max`` the highest lr this residual's pushes have carried: ``B`` at the peak of a
   schedule, 1 (vanilla) as the lr reaches 0.
 * ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
-  draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
+  draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared;
+  the positions are computed once per step (numba: a gather-and-clear pass on the CPU; torch
+  ops: on the residual's device, the same positions).
 
 The residual is float32, allocated lazily on the device of the first input and zero-initialised.
 Steady-state calls allocate nothing: the residual and one scratch buffer (from ``_scratch``)

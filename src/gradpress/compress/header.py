@@ -11,7 +11,8 @@ Layout (little endian, ``HEADER_BYTES`` = 40)::
     16     8    step   (int64)
     24     8    lr     (float64; NaN when the sender gave none)
     32     4    config fingerprint (uint32 crc32 of the canonical spec)
-    36     4    flags  (uint32, reserved, 0)
+    36     4    flags  (uint32, reserved, 0; a device-mode compress into a host payload
+                        lands its finiteness flag here, then writes the header over it)
 
 The receiver validates magic, version, codec id, numel and fingerprint against its own codec, and
 key/step when it knows which it expects; any difference is a ``ValueError`` naming the field, the
