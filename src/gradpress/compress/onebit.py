@@ -72,7 +72,11 @@ class OneBitCodec(Codec):
             if self.nan_policy == "raise":
                 flag = torch.isfinite(total)
         if scaling:
-            scale = (total / self.numel).to(torch.float32)
+            # a tensor divisor: ATen's CUDA div_true multiplies by the reciprocal of a CPU scalar
+            # ("may lose one bit of precision", aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu,
+            # not shipped in the wheel), one rounding more than the numba kernel's division
+            n = torch.full((), float(self.numel), dtype=torch.float64, device=x.device)
+            scale = (total / n).to(torch.float32)
             scale = torch.where(torch.isnan(scale), _CANONICAL_NAN, scale)
         else:
             scale = torch.ones((), dtype=torch.float32, device=x.device)
