@@ -110,7 +110,9 @@ class ErrorFeedback(CodecWrapper):
         Payload placement and non-finite input as in :meth:`Codec.compress`: a rejected input
         leaves the residual as it was (host payload: the new residual is built in the scratch
         and installed only after the check; device payload: blended with ``torch.where`` on
-        the device flag :attr:`last_finite`)."""
+        the device flag :attr:`last_finite`, one extra pass; ``lr_prev`` and, with
+        ``anneal=1``, ``lr_max`` still advance there, as nothing is read on the host: the
+        engine that gets a rejected push stops anyway)."""
         self._check_lr(lr)
         return super().compress(x, key=key, step=step, lr=lr, out=out)
 
