@@ -209,14 +209,18 @@ def test_topk_bounds_checked_on_host_and_poisoned_on_device(layout):
     payload = codec.compress(randn(100))
     iraw = codec._regions(payload[HEADER_BYTES:])[0]
     if layout == "int32":
+        iraw.view(torch.int32)[0] = 0  # a valid index 0 must not hide the bad one
         iraw.view(torch.int32)[2] = 100
     else:
         iraw.fill_(0xFF)  # 7-bit indices of 127 > 99
     with pytest.raises(ValueError, match=r"topk payload key 0: index out of range \[0, 100\)"):
         codec.decompress(payload)
-    out = torch.zeros(100)  # a device payload skips the host check: NaN instead of a bad write
+    # a device payload skips the host check: element 0 becomes NaN instead of a bad write
+    out, acc = torch.zeros(100), torch.ones(100)
     codec._decode(payload[HEADER_BYTES:].clone(), out, None)
-    assert torch.isnan(out).any()
+    codec._decode_add(payload[HEADER_BYTES:].clone(), acc, 2.0, None)
+    assert torch.isnan(out[0]) and torch.isnan(acc[0])
+    assert torch.isfinite(out[1:]).all() and torch.isfinite(acc[1:]).all()
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 4095, 4096, 4097, 3 * 4096 + 5, 70001])

@@ -255,25 +255,26 @@ class TopK(_Sparse):
         vals = self._split_host(torch.from_numpy(body))[1]
         return bool(np.isfinite(vals).all())
 
-    def _checked_indices(self, idx: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                torch.Tensor]:
-        """Device-side bounds check without a host read: an index outside ``[0, numel)`` (only
-        from a corrupted payload; host payloads were checked by :meth:`_check_body`) is sent to
-        0 with a NaN value, so the decoded tensor fails the receiver's finiteness check instead
-        of touching memory out of bounds."""
+    def _checked_indices(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device-side bounds check without a host read: ``(indices, any_bad)``, an index
+        outside ``[0, numel)`` (only from a corrupted payload; host payloads were checked by
+        :meth:`_check_body`) replaced by 0, so nothing is touched out of bounds."""
         sel = idx.long()
         bad = (sel < 0) | (sel >= self.numel)
-        return torch.where(bad, 0, sel), torch.where(bad, torch.nan, vals.to(torch.float32))
+        return torch.where(bad, 0, sel), bad.any()
 
     def _scatter(self, body: torch.Tensor, out: torch.Tensor, alpha: float, h: Header,
                  accumulate: bool) -> None:
         idx, vals = self._split(body)
         if self.use_torch(out.device):
-            sel, v = self._checked_indices(idx, vals)
+            sel, any_bad = self._checked_indices(idx)
+            v = vals.to(torch.float32)
             if accumulate:
                 out.index_add_(0, sel, v, alpha=alpha)
             else:
                 out.index_copy_(0, sel, v)
+            # a bad index makes element 0 NaN, so the receiver's finiteness check rejects it
+            out[:1].copy_(torch.where(any_bad, torch.nan, out[:1]))
             return
         va = vals.numpy().astype(np.float32, copy=False)
         self._scatter_numba(idx.numpy(), va, out.numpy(), alpha, h.key, accumulate)
