@@ -167,6 +167,34 @@ def test_device_mode_defers_the_flag_and_blends_state(spec, ef):
     assert torch.equal(codec.compress(x2, step=2), ref.compress(x2, step=2))
 
 
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("ef", [None, "vanilla", "sparse"])
+def test_torch_paths_never_read_a_tensor_on_the_host(spec, ef, monkeypatch):
+    """No .item()/bool()/int()/float()/.tolist() on a tensor anywhere in the torch-op encode
+    and decode paths (on a GPU each would be a hidden synchronisation): staged compress, device
+    mode, decompress and decompress_add from a host payload, and decode_reply."""
+    if ef == "sparse" and not spec.startswith("randomk"):
+        pytest.skip("sparse EF is for randomk")
+    codec = NesterovMomentum(build(spec, N, seed=4, ef=ef, backend="torch"), mu=0.5)
+    dec = build(spec, N, seed=4, backend="torch")
+    x, acc = randn(N, 40), torch.zeros(N)
+    host = torch.empty(codec.payload_bytes, dtype=torch.uint8)
+    dec.decompress(codec.compress(x, out=host))  # warm-up: caches, level tables
+
+    def forbidden(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("a tensor value was read on the host")
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    codec.compress(x, step=1, out=host)
+    dec.decompress(host, out=acc)
+    dec.decompress_add(host, acc, alpha=0.5)
+    decode_reply(dec, host, acc, key=0, step=1, sender="server 0", label="t")
+    codec._staged = lambda flat, payload: False
+    codec.compress(x, step=2)
+    monkeypatch.undo()
+    assert bool(codec.last_finite)
+
+
 def test_allow_policy_reports_no_flag():
     codec = build("onebit", N, nan_policy="allow", backend="torch")
     codec._staged = lambda flat, payload: False

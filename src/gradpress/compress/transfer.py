@@ -41,7 +41,7 @@ def host_to(dst: torch.Tensor, src: torch.Tensor) -> None:
     For a CUDA ``dst`` the copy is queued on the current stream; a pinned ``src`` must not be
     written until that stream has passed this point (a pageable one is copied into a pinned
     block first and may be reused at once)."""
-    if dst.device.type == "cpu":
+    if dst.device.type != "cuda":
         dst.copy_(src)
         return
     if not src.is_pinned():
