@@ -7,10 +7,11 @@ Families: ``none``/``fp16``/``bf16`` (:mod:`.cast`), ``onebit`` (:mod:`.onebit`)
 any of them.
 """
 
-from .base import Codec, CodecWrapper
+from .base import Codec
 from .header import HEADER_BYTES, Header, read_header
 from .registry import MOMENTUM_KINDS, build, codec_class, codec_names
 from .spec import EF_KINDS, CodecSpec, EFSpec, parse_ef, parse_spec
+from .wrapper import CodecWrapper
 
 __all__ = ["Codec", "CodecWrapper", "HEADER_BYTES", "Header", "read_header", "build",
            "codec_class", "codec_names", "CodecSpec", "parse_spec", "EFSpec", "parse_ef",

@@ -7,11 +7,16 @@ advance) and back. Payloads start with the header of :mod:`gradpress.compress.he
 Subclasses implement ``_body_bytes()``, ``_encode(x, body, key, step)`` and
 ``_decode(body, out, header)``; optionally ``_decode_add(body, acc, alpha, header)`` for a
 decode-accumulate without a dense temporary. ``x``/``body``/``out`` are torch tensors on one
-device; CPU paths call numba kernels on ``.numpy()`` views, other devices use torch ops.
+device; CPU paths call numba kernels on ``.numpy()`` views, other devices use torch ops (so does
+``backend="torch"`` on the CPU). Torch-op paths never read a device value on the host: a codec
+with ``checks_finite`` returns from ``_encode`` a 0-d bool flag ("input all finite") under
+``nan_policy="raise"`` instead of raising, and :meth:`Codec.compress` reads it together with the
+body (host payload) or leaves it to the caller (device payload, :attr:`Codec.last_finite`).
 
-Stateful wrappers (error feedback, momentum) derive from :class:`CodecWrapper`, which keeps the
-wrapped codec's wire identity. Codec families add their classes to the registry with
-:func:`register` (:func:`gradpress.compress.build` looks them up by name).
+Stateful wrappers (error feedback, momentum) derive from
+:class:`~gradpress.compress.wrapper.CodecWrapper`, which keeps the wrapped codec's wire identity.
+Codec families add their classes to the registry with :func:`register`
+(:func:`gradpress.compress.build` looks them up by name).
 
 Two optional hooks let :class:`~gradpress.compress.ef.ErrorFeedback` run in fewer passes. Both
 must give results bit-identical to the unfused path, ``_encode(p)`` then ``residual = p`` followed
@@ -41,17 +46,19 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from .header import HEADER_BYTES, Header, pack_header, read_header
+from . import transfer
+from .header import HEADER_BYTES, Header, header_bytes, read_header
 from .spec import CodecSpec, Param
 
-__all__ = ["Codec", "CodecWrapper", "register", "REGISTRY", "NAN_POLICIES", "BACKENDS",
-           "check_state_keys"]
+__all__ = ["Codec", "register", "REGISTRY", "NAN_POLICIES", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
 NAN_POLICIES = ("raise", "allow")
+_FLAGS_AT = 36  # offset of the header's reserved flags field (see .header)
 BACKENDS = ("auto", "numba", "torch")
 
 
@@ -99,8 +106,11 @@ class Codec(abc.ABC):
         """Bytes of the payload after the header, fixed by parameters and numel."""
 
     @abc.abstractmethod
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
-        """Encode float32 ``x`` (1-D, contiguous) into uint8 ``body``."""
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                step: int) -> torch.Tensor | None:
+        """Encode float32 ``x`` (1-D, contiguous) into uint8 ``body``; torch ops under
+        ``nan_policy="raise"`` with ``checks_finite``: return the device flag "x all finite"
+        (numba paths raise instead and return None)."""
 
     @abc.abstractmethod
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
@@ -117,26 +127,87 @@ class Codec(abc.ABC):
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Encode ``x`` (any shape, ``numel`` elements, floating) into a uint8 payload.
 
-        Returns ``out`` when given (a 1-D uint8 tensor of ``payload_bytes``; nothing is
-        allocated), else a new tensor. ``lr`` is carried in the header (corrected error feedback).
+        Returns ``out`` when given (a 1-D uint8 tensor of ``payload_bytes``, on the CPU or on
+        ``x``'s device), else a new tensor on ``x``'s device. ``lr`` is carried in the header
+        (corrected error feedback). Where the payload lives decides how a non-finite input is
+        reported under ``nan_policy="raise"``:
+
+        * on the host: ValueError. With torch ops (``x`` on a GPU, or ``backend="torch"``) the
+          body and a one-byte finiteness flag, both computed on ``x``'s device, come back in ONE
+          copy (the call's only host synchronisation); the header is written on the host. A
+          rejected input leaves the codec's state (error-feedback residual, momentum) as it was.
+        * on a device (``out`` there, or ``out=None`` with ``x`` there): nothing is read back
+          and nothing raises; :attr:`last_finite` is a 0-d bool tensor on the device, False when
+          the input had a NaN/inf, for the caller to check (then the payload must not be sent).
+          The state is kept as it was for a rejected input, at the cost of one blend pass
+          (``torch.where``) per state buffer.
         """
         flat = self._as_input(x)
         payload = self._out_payload(out, flat.device)
-        pack_header(payload, Header(self.codec_id, int(key), self.numel, int(step), lr,
-                                    self.fingerprint))
-        if self.numel:
-            if self.nan_policy == "raise" and not self.checks_finite:
-                self._check_finite(flat, key)
-            self._encode(flat, payload[HEADER_BYTES:], int(key), int(step))
-        else:
-            payload[HEADER_BYTES:].zero_()  # e.g. onebit's scale: deterministic bytes at numel=0
+        h = Header(self.codec_id, int(key), self.numel, int(step), lr, self.fingerprint)
+        raw = header_bytes(h)  # a bad key raises before anything is encoded
+        self.last_finite = None
+        if self._staged(flat, payload):
+            self._compress_staged(flat, payload, h, raw)
+            return payload
+        transfer.bytes_to(payload[:HEADER_BYTES], raw)
+        flag = self._step(flat, payload[HEADER_BYTES:], h)
+        self.last_finite = flag
+        self._commit(flag)
         return payload
+
+    #: After a compress into a device payload: a 0-d bool device tensor, False if the input was
+    #: rejected (``nan_policy="raise"``), or None when nothing was checked on the device.
+    last_finite: torch.Tensor | None = None
+
+    def _staged(self, flat: torch.Tensor, payload: torch.Tensor) -> bool:
+        """Torch ops into a host payload: encode on ``flat``'s device, one copy back."""
+        return payload.device.type == "cpu" and self.use_torch(flat.device)
+
+    def _compress_staged(self, flat: torch.Tensor, payload: torch.Tensor, h: Header,
+                         raw: bytes) -> None:
+        """Encode into a device buffer laid out as the payload's tail from the header's flags
+        field on (``[flags (4) | body]``, first byte 1 for a rejected input), copy it into
+        ``payload`` in one transfer, then write the header over the flags on the host."""
+        stage = torch.empty(self.payload_bytes - _FLAGS_AT, dtype=torch.uint8, device=flat.device)
+        flag = self._step(flat, stage[HEADER_BYTES - _FLAGS_AT:], h)
+        stage[:HEADER_BYTES - _FLAGS_AT].zero_()
+        if flag is not None:
+            stage[:1].copy_(torch.logical_not(flag).reshape(1))
+        transfer.to_host(payload[_FLAGS_AT:], stage)
+        host = payload.numpy()
+        rejected = bool(host[_FLAGS_AT])  # a host byte: read after the synchronising copy
+        host[:HEADER_BYTES] = memoryview(raw)
+        if rejected:
+            raise self._non_finite_error(h.key)
+        self._commit(None)
+
+    def _step(self, flat: torch.Tensor, body: torch.Tensor, h: Header) -> torch.Tensor | None:
+        """Encode ``flat`` into ``body`` (``numel`` may be 0); return the device finiteness flag
+        (torch ops under ``nan_policy="raise"``) or None. Stateful codecs prepare their new
+        state here and install it in :meth:`_commit`; numba paths raise here instead."""
+        if not self.numel:
+            body.zero_()  # e.g. onebit's scale: deterministic bytes at numel=0
+            return None
+        flag = None
+        if self.nan_policy == "raise" and not self.checks_finite:
+            flag = self._finite_flag(flat, h.key)
+        return _both(flag, self._encode(flat, body, h.key, h.step))
+
+    def _commit(self, flag: torch.Tensor | None) -> None:
+        """Install the state :meth:`_step` prepared: unconditionally for None (the input was
+        accepted, or not checked), else only where the device flag ``flag`` is True."""
+        return None  # stateless
 
     def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,
                    key: int | None = None, step: int | None = None) -> torch.Tensor:
         """Decode a payload into a float32 tensor of ``numel`` (``out`` when given).
 
         ``key``/``step``, when given, must match the header; every mismatch is a ValueError.
+        A host payload decoded with torch ops (``out`` on a GPU, or ``backend="torch"``) is
+        validated on the host (header, index bounds), then its body is copied to ``out``'s
+        device without a host synchronisation (:func:`.transfer.host_to`: a pinned payload must
+        not be overwritten before the current stream has passed this call).
         """
         h = self.check_header(payload, key=key, step=step)
         if out is None:
@@ -144,17 +215,51 @@ class Codec(abc.ABC):
         else:
             self._check_out(out, "out")
         if self.numel:
-            self._decode(payload[HEADER_BYTES:], out, h)
+            self._decode(self._body_on(payload, out.device, h), out, h)
         return out
 
     def decompress_add(self, payload: torch.Tensor, acc: torch.Tensor, *, alpha: float = 1.0,
                        key: int | None = None, step: int | None = None) -> Header:
-        """``acc += alpha * decompress(payload)``, without a dense temporary where possible."""
+        """``acc += alpha * decompress(payload)``, without a dense temporary where possible
+        (host payloads as in :meth:`decompress`)."""
         h = self.check_header(payload, key=key, step=step)
         self._check_out(acc, "acc")
         if self.numel:
-            self._decode_add(payload[HEADER_BYTES:], acc, float(alpha), h)
+            self._decode_add(self._body_on(payload, acc.device, h), acc, float(alpha), h)
         return h
+
+    def payload_finite(self, payload: torch.Tensor) -> bool:
+        """Whether the host ``payload`` (header already validated) decodes to finite values,
+        decided from its bytes (e.g. onebit's scale, the values sent), without decoding."""
+        if not self.numel:
+            return True
+        return self._body_finite(payload[HEADER_BYTES:].numpy())
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        """:meth:`payload_finite` of a body; default: decode on the host and scan."""
+        out = torch.empty(self.numel, dtype=torch.float32)
+        h = Header(self.codec_id, 0, self.numel, 0, None, self.fingerprint)
+        self._decode(torch.from_numpy(body), out, h)
+        return bool(torch.isfinite(out).all())
+
+    def _check_body(self, body: torch.Tensor, h: Header) -> None:
+        """Bounds checks of a host body before it goes to a device (memory safety of the
+        device decode, e.g. topk's indices); ValueError. Default: none needed."""
+        return None
+
+    def _body_on(self, payload: torch.Tensor, device: torch.device, h: Header) -> torch.Tensor:
+        """The payload's body on ``device``: a checked copy for a host payload decoded with
+        torch ops (also CPU to CPU, so ``backend="torch"`` runs the GPU's path), else in place."""
+        body = payload[HEADER_BYTES:]
+        if payload.device.type == "cpu" and self.use_torch(device):
+            self._check_body(body, h)
+            dev = torch.empty(body.numel(), dtype=torch.uint8, device=device)
+            transfer.host_to(dev, body)
+            return dev
+        if payload.device != device:
+            raise ValueError(f"{self.name}: payload on {payload.device} cannot be decoded into a "
+                             f"tensor on {device}; put the payload on the host or on {device}")
+        return body
 
     def check_header(self, payload: torch.Tensor, *, key: int | None = None,
                      step: int | None = None, sender: str | None = None) -> Header:
@@ -218,6 +323,9 @@ class Codec(abc.ABC):
     def _out_payload(self, out: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         if out is None:
             return torch.empty(self.payload_bytes, dtype=torch.uint8, device=device)
+        if isinstance(out, torch.Tensor) and out.device.type != "cpu" and out.device != device:
+            raise ValueError(f"out must be on the CPU or on the input's device ({device}), got "
+                             f"a tensor on {out.device}")
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != self.payload_bytes \
                 or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {self.payload_bytes} "
@@ -231,13 +339,21 @@ class Codec(abc.ABC):
                              f"elements, got dtype={out.dtype} shape={tuple(out.shape)}")
 
     def _check_finite(self, flat: torch.Tensor, key: int) -> None:
+        """Raise the non-finite error now (host paths: CPU tensors are scanned by numba)."""
         if flat.device.type == "cpu":
             from .kernels.common import all_finite
             ok = all_finite(flat.numpy())
         else:
-            ok = bool(torch.isfinite(flat).all())
+            ok = bool(torch.isfinite(flat).all())  # a host synchronisation: host paths only
         if not ok:
             raise self._non_finite_error(key)
+
+    def _finite_flag(self, flat: torch.Tensor, key: int) -> torch.Tensor | None:
+        """Torch ops: the device flag "all finite" (nothing is read); numba: raise or None."""
+        if self.use_torch(flat.device):
+            return torch.isfinite(flat).all()
+        self._check_finite(flat, key)
+        return None
 
     def _non_finite_error(self, key: int) -> ValueError:
         """The error every codec raises for non-finite input under ``nan_policy='raise'``."""
@@ -256,6 +372,13 @@ class Codec(abc.ABC):
         return buf
 
 
+def _both(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The conjunction of two optional device flags."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a & b
+
+
 #: Codec classes by name, filled by :func:`register` when a family module is imported.
 REGISTRY: dict[str, type[Codec]] = {}
 
@@ -267,83 +390,3 @@ def register(cls: type[Codec]) -> type[Codec]:
             raise ValueError(f"codec id {cls.codec_id} of {cls.name} already used by {other.name}")
     REGISTRY[cls.name] = cls
     return cls
-
-
-class CodecWrapper(Codec):
-    """Base of stateful wrappers: same wire identity as ``inner`` (name, codec id, numel,
-    payload size, fingerprint, spec text); decoding and header checks are delegated to it."""
-
-    def __init__(self, inner: Codec) -> None:  # noqa: D107 - Codec.__init__ is not called
-        if not isinstance(inner, Codec):
-            raise TypeError(f"{type(self).__name__} wraps a Codec, got {type(inner).__name__}")
-        self.inner = inner
-        for attr in ("numel", "params", "seed", "nan_policy", "backend", "spec_text",
-                     "fingerprint", "payload_bytes"):
-            setattr(self, attr, getattr(inner, attr))
-
-    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
-    codec_id = property(lambda self: self.inner.codec_id)  # type: ignore[assignment]
-    checks_finite = property(lambda self: self.inner.checks_finite)  # type: ignore[assignment]
-
-    # the codec hooks are the inner codec's (stateless) ones
-    def _body_bytes(self) -> int:
-        return self.inner._body_bytes()
-
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
-        self.inner._encode(x, body, key, step)
-
-    def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
-        self.inner._decode(body, out, h)
-
-    def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
-        self.inner._decode_add(body, acc, alpha, h)
-
-    def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,
-                   key: int | None = None, step: int | None = None) -> torch.Tensor:
-        """Decode with the inner codec (decoding is stateless)."""
-        return self.inner.decompress(payload, out=out, key=key, step=step)
-
-    def decompress_add(self, payload: torch.Tensor, acc: torch.Tensor, *, alpha: float = 1.0,
-                       key: int | None = None, step: int | None = None) -> Header:
-        """``acc += alpha * decompress(payload)``, by the inner codec."""
-        return self.inner.decompress_add(payload, acc, alpha=alpha, key=key, step=step)
-
-    def check_header(self, payload: torch.Tensor, *, key: int | None = None,
-                     step: int | None = None, sender: str | None = None) -> Header:
-        """Validate ``payload`` against the inner codec."""
-        return self.inner.check_header(payload, key=key, step=step, sender=sender)
-
-    def use_torch(self, device: torch.device) -> bool:
-        return self.inner.use_torch(device)
-
-    def _start_payload(self, out: torch.Tensor | None, device: torch.device, key: int,
-                       step: int, lr: float | None) -> tuple[torch.Tensor, Header]:
-        """The output payload with its header written; returns (payload, header)."""
-        payload = self._out_payload(out, device)
-        h = Header(self.codec_id, int(key), self.numel, int(step), lr, self.fingerprint)
-        pack_header(payload, h)
-        return payload, h
-
-    def _state_tensor(self, state: Mapping[str, Any], name: str) -> torch.Tensor | None:
-        """Validate a saved float tensor of ``numel`` elements (or None); returns float32 CPU."""
-        t = state[name]
-        if t is None:
-            return None
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{type(self).__name__} state {name!r}: expected a float tensor or "
-                             f"None, got {type(t).__name__}")
-        if t.numel() != self.numel:
-            raise ValueError(f"{type(self).__name__} state {name!r}: shape {tuple(t.shape)}, "
-                             f"expected ({self.numel},) for {self.spec_text}")
-        return t.detach().reshape(-1).to("cpu", torch.float32).clone()
-
-
-def check_state_keys(owner: str, state: Mapping[str, Any], expected: set[str]) -> None:
-    """``state`` (given to ``owner.load_state_dict``) must be a mapping with exactly the keys
-    ``expected``; TypeError/ValueError naming the missing and unexpected ones otherwise."""
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{owner}.load_state_dict expects a mapping, got {type(state).__name__}")
-    if set(state) != expected:
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(f"{owner}.load_state_dict: state keys do not match; missing {missing}, "
-                         f"unexpected {extra}, expected {sorted(expected)}")

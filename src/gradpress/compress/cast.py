@@ -41,6 +41,9 @@ class NoneCodec(Codec):
     def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
         body.view(torch.float32).copy_(x)
 
+    def _body_finite(self, body: np.ndarray) -> bool:
+        return all_finite(_aligned(body, np.float32))
+
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:
         out.copy_(body.view(torch.float32))
 
@@ -59,29 +62,35 @@ class _Cast16Codec(Codec):
     def _body_bytes(self) -> int:
         return 2 * self.numel
 
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                step: int) -> torch.Tensor | None:
         if self.use_torch(x.device):
-            self._encode_torch(x, body, key)
-            return
+            return self._encode_torch(x, body)
         _require_cpu(self, x)
         if not self._encode_numba(x.numpy(), body.numpy().view(np.uint16)) \
                 and self.nan_policy == "raise":
             self._check_finite(x, key)  # raises the standard non-finite error
+        return None
 
     def _encode_numba(self, x: np.ndarray, h: np.ndarray) -> bool:
         raise NotImplementedError
 
-    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int) -> None:
-        if self.nan_policy == "raise":
-            self._check_finite(x, key)
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor) -> torch.Tensor | None:
+        """Torch ops, nothing read on the host; the finiteness flag under "raise"."""
         h = body.view(self.dtype)
         h.copy_(x)
-        if self.nan_policy == "allow":
-            # canonical NaN, like the numba kernel (torch keeps payload bits / may set the sign)
-            pos, neg = self.nan_bits
-            canon = torch.where(torch.signbit(x), neg, pos).to(torch.int16)
-            bits = body.view(torch.int16)
-            bits.copy_(torch.where(torch.isnan(x), canon, bits))
+        if self.nan_policy == "raise":
+            return torch.isfinite(x).all()
+        # canonical NaN, like the numba kernel (torch keeps payload bits / may set the sign)
+        pos, neg = self.nan_bits
+        canon = torch.where(torch.signbit(x), neg, pos).to(torch.int16)
+        bits = body.view(torch.int16)
+        bits.copy_(torch.where(torch.isnan(x), canon, bits))
+        return None
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        exp = 0x7F80 if self.dtype == torch.bfloat16 else 0x7C00  # all ones: inf or NaN
+        return not bool(((_aligned(body, np.uint16) & exp) == exp).any())
 
     # -- error feedback (see Codec's docstring): one pass, p never stored -------------------------
     def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
@@ -162,3 +171,10 @@ def _require_cpu(codec: Codec, t: torch.Tensor) -> None:
     if t.device.type != "cpu":
         raise ValueError(f"{codec.name} codec with backend={codec.backend!r} needs CPU tensors, "
                          f"got a tensor on {t.device}; use backend='auto' or 'torch'")
+
+
+def _aligned(body: np.ndarray, dtype: type) -> np.ndarray:
+    """The uint8 ``body`` viewed as ``dtype``, copied first if it is not aligned for it."""
+    if body.ctypes.data % np.dtype(dtype).itemsize:
+        body = body.copy()
+    return body.view(dtype)

@@ -13,8 +13,9 @@ Parameters (spec ``dithering:s=7,partition=linear,normalize=max``):
 
 Encoding (steps numbered as in :mod:`gradpress.compress.kernels.dithering`):
 
-1. ``norm`` is computed (squares summed in float64, in ``LANES`` interleaved partial sums added
-   in a fixed order), stored as float32 and used as such below (an l2 norm above the float32
+1. ``norm`` is computed (squares summed in float64 in a fixed blocked order that torch ops
+   reproduce bit for bit as a parallel reduction, :func:`sumsq_torch`), stored as float32 and
+   used as such below (an l2 norm above the float32
    range is stored as the largest float32, which still bounds max|x|).
 2. Each element's ``r = |x| / norm`` lies in [0, 1]; with ``lo <= r <= hi`` the adjacent levels,
    it becomes ``hi`` with probability ``(r - lo) / (hi - lo)``, else ``lo``: ``E[level] = r``.
@@ -35,9 +36,10 @@ Payload body (after the 40-byte header), ``b = ceil(log2(s + 1)) + 1`` bits per 
 e.g. ``s=7``: 4 bits per element, two per byte, element 2j in the low nibble of byte j.
 
 Non-finite input: ``nan_policy='raise'`` raises ValueError (detected by the norm pass, no extra
-scan); ``'allow'`` encodes the whole chunk as NaN (codes 0, norm NaN), so the NaN reaches the
-receiver as it would uncompressed. Codes naming a level above ``s`` (impossible from an encoder)
-decode to NaN.
+scan; with torch ops the norm stays on the device and the check is a device flag, see
+:meth:`~gradpress.compress.base.Codec.compress`); ``'allow'`` encodes the whole chunk as NaN
+(codes 0, norm NaN), so the NaN reaches the receiver as it would uncompressed. Codes naming a
+level above ``s`` (impossible from an encoder) decode to NaN.
 
 Error feedback on CPU (``_encode_ef_fused``): the norm pass reads ``p = x + e`` on the fly, then
 one pass stores ``p`` over ``e``, quantizes it and subtracts the decoded value in place; a zero or
@@ -52,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import transfer
 from .base import Codec, register
 from .cast import _require_cpu
 from .header import Header
@@ -81,13 +84,6 @@ def stream_keys(seed: int, key: int, step: int) -> tuple[int, int]:
     z = _splitmix64(z ^ (key & _M64))
     z = _splitmix64(z ^ (step & _M64))
     return z & 0xFFFFFFFF, z >> 32
-
-
-def _combine(lanes: list[float]) -> float:
-    """Sum the ``LANES`` partial sums in a fixed pairwise order (identical on every backend)."""
-    while len(lanes) > 1:
-        lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
-    return lanes[0]
 
 
 @register
@@ -128,9 +124,11 @@ class Dithering(Codec):
         return np.concatenate([mag, -mag])
 
     # -- encode -----------------------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
-        torch_ops = self.use_torch(x.device)
-        norm, finite = _norm_torch(x, self.l2) if torch_ops else _norm_numba(x.numpy(), self.l2)
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                step: int) -> torch.Tensor | None:
+        if self.use_torch(x.device):
+            return self._encode_torch(x, body, key, step)
+        norm, finite = _norm_numba(x.numpy(), self.l2)
         if not finite:
             if self.nan_policy == "raise":
                 self._check_finite(x, key)  # raises, with the message every codec uses
@@ -141,14 +139,26 @@ class Dithering(Codec):
         else:
             pre, scale = self._scales(norm)
             k0, k1 = stream_keys(self.seed, key, step)
-            if torch_ops:
-                body[:self.code_bytes].copy_(self._quantize_torch(x, pre, scale, k0, k1))
-            else:
-                kernel = K.encode_natural if self.natural else K.encode_linear
-                kernel(x.numpy(), body.numpy()[:self.code_bytes], self.bits, self.s,
-                       np.float32(pre), np.float32(scale), np.uint32(k0), np.uint32(k1))
-        raw = torch.frombuffer(bytearray(np.float32(norm).tobytes()), dtype=torch.uint8)
-        body[self.code_bytes:].copy_(raw)
+            kernel = K.encode_natural if self.natural else K.encode_linear
+            kernel(x.numpy(), body.numpy()[:self.code_bytes], self.bits, self.s,
+                   np.float32(pre), np.float32(scale), np.uint32(k0), np.uint32(k1))
+        body.numpy()[self.code_bytes:] = np.frombuffer(np.float32(norm).tobytes(), np.uint8)
+        return None
+
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                      step: int) -> torch.Tensor | None:
+        """Torch twin of the numba path with the norm kept on the device (nothing is read on
+        the host): a zero or non-finite norm selects all-zero codes with ``torch.where``; the
+        finiteness flag is returned under "raise"."""
+        norm, finite = _norm_torch(x, self.l2)
+        pre, scale = self._scales_torch(norm)
+        k0, k1 = stream_keys(self.seed, key, step)
+        codes = self._codes_torch(x, pre, scale, k0, k1)
+        codes = torch.where(finite & (norm != 0.0), codes, 0)
+        body[:self.code_bytes].copy_(_pack_torch(codes, self.bits, self.code_bytes))
+        stored = torch.where(finite, norm, torch.nan)
+        body[self.code_bytes:].copy_(stored.reshape(1).view(torch.uint8))
+        return finite if self.nan_policy == "raise" else None
 
     def _scales(self, norm: float) -> tuple[float, float]:
         """``(pre, scale)``, float32 values with ``(|x| * pre) * scale = L * |x| / norm`` (L = s
@@ -157,11 +167,23 @@ class Dithering(Codec):
         top = 1.0 if self.natural else float(self.s)
         return pre, float(np.float32(top / (norm * pre)))
 
-    def _quantize_torch(self, x: torch.Tensor, pre: float, scale: float, k0: int,
-                        k1: int) -> torch.Tensor:
-        """Torch-op twin of the numba kernels (same float32 operations, same codes)."""
+    def _scales_torch(self, norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_scales` of a 0-d float32 device tensor, as 0-d float32 tensors (the same
+        float64 operations: a tensor division, not ``float / tensor``, which torch computes as
+        a reciprocal and a product)."""
+        n64 = norm.to(torch.float64)
+        one = torch.ones((), dtype=torch.float64, device=norm.device)
+        pre = torch.where(n64 < 2.0 ** -64, one * 2.0 ** 64,
+                          torch.where(n64 >= 2.0 ** 64, one * 2.0 ** -64, one))
+        top = one * (1.0 if self.natural else float(self.s))
+        return pre.to(torch.float32), torch.div(top, n64 * pre).to(torch.float32)
+
+    def _codes_torch(self, x: torch.Tensor, pre: torch.Tensor, scale: torch.Tensor, k0: int,
+                     k1: int) -> torch.Tensor:
+        """Torch-op twin of the numba kernels (same float32 operations, same codes): the int64
+        codes ``level | sign << (b-1)`` (meaningless for a zero or non-finite norm)."""
         idx = torch.arange(self.numel, dtype=torch.int64, device=x.device)
-        h = _hash32_torch(idx, k0, k1)
+        h = _hash32_torch(idx, k0, k1, wide=(self.numel - 1) >> 32 != 0)
         u = (h >> 8).to(torch.float32) * 2.0 ** -24
         y = (x.abs() * pre) * scale
         if self.natural:
@@ -176,7 +198,7 @@ class Dithering(Codec):
             lo = y.to(torch.int32).clamp_max(self.s - 1)
             level = lo.to(torch.int64) + (u < y - lo.to(torch.float32)).to(torch.int64)
         sign = (x.view(torch.int32) < 0).to(torch.int64) << (self.bits - 1)
-        return _pack_torch(level | sign, self.bits, self.code_bytes)
+        return level | sign
 
     # -- error feedback (see Codec's docstring): a norm pass, then one pass writing everything --
     def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
@@ -201,7 +223,7 @@ class Dithering(Codec):
         ``e`` when ``res`` is None); False, nothing written, for a zero or non-finite norm."""
         # 1. the norm of p (and the finite check) before anything is written
         if self.l2:
-            norm, finite = _l2_norm([float(v) for v in K.sumsq_lanes_ef(g, e, r, mode)])
+            norm, finite = _l2_norm(float(K.sumsq_ef(g, e, r, mode)))
         else:
             m = int(K.max_abs_ef(g, e, r, mode))
             norm, finite = float(np.uint32(m).view(np.float32)), m < 0x7F800000
@@ -235,7 +257,7 @@ class Dithering(Codec):
         if self.use_torch(out.device):
             norm = body[self.code_bytes:].clone().view(torch.float32).to(torch.float64)
             table = (self._levels_on(out.device) * (norm * alpha)).to(torch.float32)
-            vals = table[_unpack_torch(codes, self.bits, self.numel)]
+            vals = table.index_select(0, _unpack_torch(codes, self.bits, self.numel))
             if add:
                 out.add_(vals)
             else:
@@ -248,8 +270,23 @@ class Dithering(Codec):
     def _levels_on(self, device: torch.device) -> torch.Tensor:
         t = self._dev_levels.get(str(device))
         if t is None:
-            t = self._dev_levels[str(device)] = torch.from_numpy(self._signed_levels).to(device)
+            t = self._dev_levels[str(device)] = torch.empty(len(self._signed_levels),
+                                                            dtype=torch.float64, device=device)
+            transfer.host_to(t, torch.from_numpy(self._signed_levels))  # no host sync
         return t
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        """Finite norm, and (unless every ``b - 1``-bit level index is valid) no code naming
+        a level above ``s`` (those decode to NaN): a host scan of the codes."""
+        if not math.isfinite(float(body[self.code_bytes:].copy().view(np.float32)[0])):
+            return False
+        if 1 << (self.bits - 1) == self.s + 1:
+            return True
+        mask = (np.arange(1 << self.bits) & ((1 << (self.bits - 1)) - 1)) > self.s
+        bad = np.where(mask, np.float32(np.nan), np.float32(0.0)).astype(np.float32)
+        out = np.empty(self.numel, np.float32)
+        K.decode(body[:self.code_bytes], self.bits, bad, out)
+        return bool(np.isfinite(out).all())
 
 
 def _code_bits(s: int) -> int:
@@ -258,10 +295,9 @@ def _code_bits(s: int) -> int:
 
 
 # -- norm (step 1) ----------------------------------------------------------------------------
-def _l2_norm(lanes: list[float]) -> tuple[float, bool]:
-    """float32 l2 norm from the partial sums of squares; an l2 norm beyond the float32 range
+def _l2_norm(total: float) -> tuple[float, bool]:
+    """float32 l2 norm from the float64 sum of squares; an l2 norm beyond the float32 range
     (finite input) becomes the largest float32, still >= max|x|, so quantization stays exact."""
-    total = _combine(lanes)
     if not math.isfinite(total):
         return total, False
     return float(np.float32(min(math.sqrt(total), _F32_MAX))), True
@@ -270,22 +306,46 @@ def _l2_norm(lanes: list[float]) -> tuple[float, bool]:
 def _norm_numba(x: np.ndarray, l2: bool) -> tuple[float, bool]:
     """``(norm as float32 value, all finite)`` by one numba pass."""
     if l2:
-        return _l2_norm([float(v) for v in K.sumsq_lanes(x)])
+        return _l2_norm(float(K.sumsq(x)))
     bits = int(K.max_abs_bits(x.view(np.uint32)))
     return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
 
 
-def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[float, bool]:
-    """Torch twin of :func:`_norm_numba` (the same partial sums, in the same order, on CPU)."""
+def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`_norm_numba`, kept on the device: ``(norm, finite)`` as a 0-d
+    float32 and a 0-d bool tensor (for a non-finite input the norm is meaningless)."""
     if l2:
-        sq = x.to(torch.float64).square()
-        pad = (-sq.numel()) % K.LANES
-        if pad:
-            sq = torch.cat([sq, sq.new_zeros(pad)])
-        lanes = sq.view(-1, K.LANES).cumsum(0)[-1]  # sequential per lane, as the numba loop
-        return _l2_norm(lanes.tolist())
-    bits = int((x.view(torch.int32) & 0x7FFFFFFF).max())
-    return float(np.uint32(bits).view(np.float32)), bits < 0x7F800000
+        total = sumsq_torch(x)
+        finite = torch.isfinite(total)
+        return total.sqrt().clamp_max(_F32_MAX).to(torch.float32), finite
+    bits = (x.view(torch.int32) & 0x7FFFFFFF).max()
+    return bits.reshape(1).view(torch.float32)[0], bits < 0x7F800000
+
+
+def sumsq_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`.kernels.dithering.sumsq` with torch ops, a 0-d float64 tensor: the same float64
+    additions in the same order (``ROWS`` lane-wise adds per block, halving trees over the lanes
+    and over the zero-padded block sums), hence the same sum bit for bit; a deterministic
+    parallel reduction (replacing a sequential ``cumsum``, issue #30)."""
+    n = x.numel()
+    nblk = max(1, -(-n // K.BLOCK))
+    a = torch.zeros(nblk * K.BLOCK, dtype=torch.float64, device=x.device)
+    a[:n] = x
+    a = a.square_().view(nblk, K.ROWS, K.LANES)
+    acc = a[:, 0, :].clone()
+    for r in range(1, K.ROWS):
+        acc += a[:, r, :]
+    w = K.LANES
+    while w > 1:
+        w //= 2
+        acc = acc[:, :w] + acc[:, w:2 * w]
+    q = 1 << (nblk - 1).bit_length()
+    sums = torch.zeros(q, dtype=torch.float64, device=x.device)
+    sums[:nblk] = acc[:, 0]
+    while q > 1:
+        q //= 2
+        sums = sums[:q] + sums[q:2 * q]
+    return sums[0]
 
 
 # -- torch twins of the hash and the bit packing ----------------------------------------------
@@ -296,10 +356,11 @@ def _mul32(a: torch.Tensor, m: int) -> torch.Tensor:
     return (lo + hi) & 0xFFFFFFFF
 
 
-def _hash32_torch(idx: torch.Tensor, k0: int, k1: int) -> torch.Tensor:
-    """:func:`gradpress.compress.kernels.dithering.hash32` of element indices, as int64."""
+def _hash32_torch(idx: torch.Tensor, k0: int, k1: int, *, wide: bool = False) -> torch.Tensor:
+    """:func:`gradpress.compress.kernels.dithering.hash32` of element indices, as int64;
+    ``wide``: some index is ``>= 2**32`` (known on the host from numel: nothing is read)."""
     kk1: torch.Tensor | int = k1
-    if idx.numel() and int(idx[-1]) >> 32:
+    if wide:
         kk1 = k1 ^ (((idx >> 32) * _GOLD32) & 0xFFFFFFFF)
     h = (idx & 0xFFFFFFFF) ^ k0
     h = h ^ (h >> 16)

@@ -19,7 +19,9 @@ Kinds (:class:`~gradpress.compress.spec.EFSpec`; how to choose: docs/guide.md):
   ``lr_max`` the highest lr this residual's pushes have carried: ``B`` at the peak of a
   schedule, 1 (vanilla) as the lr reaches 0.
 * ``sparse`` (BytePS's EF for ``randomk``): e += x; send e[idx] for the indices ``idx`` the codec
-  draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared.
+  draws from (seed, key, step); e[idx] = 0. Only the selected positions are read and cleared;
+  the positions are computed once per step (numba: a gather-and-clear pass on the CPU; torch
+  ops: on the residual's device, the same positions).
 
 The residual is float32, allocated lazily on the device of the first input and zero-initialised.
 Steady-state calls allocate nothing: the residual and one scratch buffer (from ``_scratch``)
@@ -42,9 +44,10 @@ from typing import Any
 
 import torch
 
-from .base import Codec, CodecWrapper, check_state_keys
-from .header import HEADER_BYTES, Header
+from .base import Codec
+from .header import Header
 from .spec import EFSpec, parse_ef
+from .wrapper import CodecWrapper, check_state_keys
 
 __all__ = ["ErrorFeedback"]
 
@@ -88,6 +91,8 @@ class ErrorFeedback(CodecWrapper):
         self._e: torch.Tensor | None = None       # the residual
         self._spare: torch.Tensor | None = None   # scratch for p and p - D(c)
         self._loaded: torch.Tensor | None = None  # residual restored before the first compress
+        self._pending: tuple[Any, ...] | None = None  # state prepared by _step for _commit
+        self._pending_lr: float | None = None
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.inner!r}, kind={self.kind_text!r})"
@@ -100,28 +105,51 @@ class ErrorFeedback(CodecWrapper):
     # -- compress ---------------------------------------------------------------------------------
     def compress(self, x: torch.Tensor, *, key: int = 0, step: int = 0, lr: float | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Compress ``x`` plus the residual and update the residual (see the module docstring)."""
-        flat = self._as_input(x)
-        ratio = self._lr_ratio(lr)
-        payload, h = self._start_payload(out, flat.device, key, step, lr)
-        if self.numel:
-            self._ensure_buffers(flat.device)
-            if self.kind == "sparse":
-                self._compress_sparse(flat, payload[HEADER_BYTES:], h)
-            else:
-                self._compress_dense(flat, payload[HEADER_BYTES:], h, ratio)
-        else:
-            payload[HEADER_BYTES:].zero_()  # deterministic bytes at numel=0, as Codec.compress
-        if lr is not None:
-            self.lr_prev = float(lr)
-        return payload
+        """Compress ``x`` plus the residual and update the residual (see the module docstring).
 
-    def _lr_ratio(self, lr: float | None) -> float:
-        """lr_prev / lr for corrected EF (1 on the first call), else 1; validates lr."""
+        Payload placement and non-finite input as in :meth:`Codec.compress`: a rejected input
+        leaves the residual as it was (host payload: the new residual is built in the scratch
+        and installed only after the check; device payload: blended with ``torch.where`` on
+        the device flag :attr:`last_finite`, one extra pass; ``lr_prev`` and, with
+        ``anneal=1``, ``lr_max`` still advance there, as nothing is read on the host: the
+        engine that gets a rejected push stops anyway)."""
+        self._check_lr(lr)
+        return super().compress(x, key=key, step=step, lr=lr, out=out)
+
+    def _check_lr(self, lr: float | None) -> None:
         if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
                                or not math.isfinite(lr) or lr <= 0):
             raise ValueError(f"{self.name} error feedback: lr must be a finite number > 0, "
                              f"got lr={lr!r}")
+
+    def _step(self, flat: torch.Tensor, body: torch.Tensor, h: Header) -> torch.Tensor | None:
+        self._check_lr(h.lr)  # also when a wrapper (momentum) calls this directly
+        ratio = self._lr_ratio(h.lr)
+        self._pending = None
+        self._pending_lr = h.lr
+        if not self.numel:
+            body.zero_()  # deterministic bytes at numel=0, as Codec.compress
+            return None
+        self._ensure_buffers(flat.device)
+        if self.kind == "sparse":
+            return self._compress_sparse(flat, body, h)
+        return self._compress_dense(flat, body, h, ratio)
+
+    def _commit(self, flag: torch.Tensor | None) -> None:
+        """Install the new residual (where ``flag`` holds, for a device flag) and lr_prev."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == "dense":
+            new, old = pending[1], pending[2]
+            if flag is not None:
+                torch.where(flag, new, old, out=new)
+            self._e, self._spare = new, old
+        elif pending is not None:
+            self._clear_sent(pending[1], pending[2], flag)
+        if self._pending_lr is not None:  # device mode: also for a rejected input
+            self.lr_prev = float(self._pending_lr)
+
+    def _lr_ratio(self, lr: float | None) -> float:
+        """lr_prev / lr for corrected EF (1 on the first call), else 1 (lr validated)."""
         if self.kind != "corrected" and not self.anneal:
             return self.decay
         if lr is None:
@@ -133,33 +161,38 @@ class ErrorFeedback(CodecWrapper):
         return 1.0 if self.lr_prev is None else self.lr_prev / float(lr)
 
     def _compress_dense(self, flat: torch.Tensor, body: torch.Tensor, h: Header,
-                        ratio: float) -> None:
-        """Vanilla/corrected EF; the residual is untouched if the input is rejected."""
+                        ratio: float) -> torch.Tensor | None:
+        """Vanilla/corrected EF; the residual is untouched if the input is rejected (numba
+        paths raise before writing it; torch paths leave ``p - D(c)`` pending in the scratch
+        for :meth:`_commit`). Returns the device finiteness flag of the torch paths."""
         e, p = self._e, self._spare
         inner = self.inner
         fused = getattr(inner, "_encode_ef_fused", None)
-        # 1.-3. fused: p = x + ratio * e, c = C(p) into body and e = p - D(c) in as few passes
-        #    as the codec can (most never store p); the codec writes e in place or into the scratch
+        # 1.-3. fused (numba): p = x + ratio * e, c = C(p) into body and e = p - D(c) in as few
+        #    passes as the codec can; the codec writes e in place or into the scratch
         if fused is not None and (inner.checks_finite or self.nan_policy == "allow"):
             r = fused(flat, e, ratio, body, p, h.key, h.step)
             if r is not None:
                 if r is not e:
                     self._e, self._spare = r, e
-                return
+                return None
         # 1. p = x + ratio * e   (ratio = lr_prev / lr_now for corrected EF, else the decay)
         self._ef_input(flat, e, ratio, p)
+        flag = None
         if self.nan_policy == "raise" and not inner.checks_finite:
-            self._check_finite(p, h.key)
+            flag = self._finite_flag(p, h.key)  # numba: raises now; torch ops: a device flag
         hook = getattr(inner, "_encode_ef", None)
-        # 2.+3. fused: c = C(p) into body and e = p - D(c) in one pass, when the codec offers it
+        # 2.+3. fused (numba): c = C(p) into body and e = p - D(c) in one pass
         if hook is not None and hook(p, body, e, h.key, h.step):
-            return
+            return None
         # 2. c = C(p)
-        inner._encode(p, body, h.key, h.step)
-        # 3. e = p - D(c): subtract the decoding in place (sparse codecs touch only k entries),
-        #    then the buffer holding p - D(c) becomes the residual and the old residual the scratch
+        inner_flag = inner._encode(p, body, h.key, h.step)
+        flag = inner_flag if flag is None else flag if inner_flag is None else flag & inner_flag
+        # 3. e = p - D(c): subtract the decoding in place (sparse codecs touch only k entries);
+        #    the buffer holding p - D(c) becomes the residual in _commit, the old one the scratch
         inner._decode_add(body, p, -1.0, h)
-        self._e, self._spare = p, e
+        self._pending = ("dense", p, e)
+        return flag
 
     def _ef_input(self, flat: torch.Tensor, e: torch.Tensor, ratio: float,
                   p: torch.Tensor) -> None:
@@ -176,18 +209,34 @@ class ErrorFeedback(CodecWrapper):
             torch.mul(e, ratio, out=p)  # torch rounds the Python float ratio to float32 first
             p.add_(flat)
 
-    def _compress_sparse(self, flat: torch.Tensor, body: torch.Tensor, h: Header) -> None:
-        """Sparse EF (randomk): only the selected positions are read (by the codec) and cleared."""
+    def _compress_sparse(self, flat: torch.Tensor, body: torch.Tensor,
+                         h: Header) -> torch.Tensor | None:
+        """Sparse EF (randomk): only the selected positions are read and cleared; the
+        positions are computed once per step, on the residual's device."""
+        e, inner = self._e, self.inner
+        if not inner.use_torch(flat.device):
+            if self.nan_policy == "raise":
+                self._check_finite(flat, h.key)  # before e is touched: a rejected x leaves e
+            e.add_(flat)  # 1. e += x (full pass)
+            inner._gather_clear(e, body, h.key, h.step)  # 2. send e[idx]; 3. e[idx] = 0 (numba)
+            return None
+        # torch ops: 2. send (e + x)[idx] (the same float32 sums), 1. and 3. in _commit
+        idx = inner.indices(h.key, h.step, device=e.device)
+        inner._values_f32(body, 0).copy_(e.index_select(0, idx) + flat.index_select(0, idx))
+        self._pending = ("sparse", flat, idx)
+        return torch.isfinite(flat).all() if self.nan_policy == "raise" else None
+
+    def _clear_sent(self, flat: torch.Tensor, idx: torch.Tensor,
+                    flag: torch.Tensor | None) -> None:
+        """Sparse EF steps 1 and 3: e += x, e[idx] = 0 (the sent values are exact fp32, so the
+        sent mass leaves the residual); with a device flag only where it holds."""
         e = self._e
-        if self.nan_policy == "raise":
-            self._check_finite(flat, h.key)  # before e is touched, so a rejected x leaves e intact
-        # 1. e += x (full pass)
-        e.add_(flat)
-        # 2. send e[idx]: the codec gathers the values at its (seed, key, step) indices
-        self.inner._encode(e, body, h.key, h.step)
-        # 3. e[idx] = 0: the sent values are exact (fp32), so the sent mass leaves the residual
-        idx = self.inner.indices(h.key, h.step)
-        e.index_fill_(0, idx.to(e.device, non_blocking=True), 0.0)
+        if flag is None:
+            e.add_(flat)
+            e.index_fill_(0, idx, 0.0)
+            return
+        torch.where(flag, e + flat, e, out=e)
+        e.index_copy_(0, idx, torch.where(flag, 0.0, e.index_select(0, idx)))
 
     def _ensure_buffers(self, device: torch.device) -> None:
         if self._e is None:

@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from .base import Codec, CodecWrapper, check_state_keys
+from .base import Codec
+from .header import Header
+from .wrapper import CodecWrapper, check_state_keys
 
 __all__ = ["NesterovMomentum"]
 
@@ -42,6 +44,7 @@ class NesterovMomentum(CodecWrapper):
         self.mu = float(mu)
         self._m: torch.Tensor | None = None       # momentum buffer
         self._loaded: torch.Tensor | None = None  # momentum restored before the first compress
+        self._pending_g: torch.Tensor | None = None  # the gradient of a step not committed yet
 
     def __repr__(self) -> str:
         return f"NesterovMomentum({self.inner!r}, mu={self.mu})"
@@ -58,20 +61,46 @@ class NesterovMomentum(CodecWrapper):
 
     def compress(self, x: torch.Tensor, *, key: int = 0, step: int = 0, lr: float | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """Update the momentum with gradient ``x`` and compress the Nesterov gradient."""
-        g = self._as_input(x)
+        """Update the momentum with gradient ``x`` and compress the Nesterov gradient.
+
+        A rejected input (``nan_policy="raise"``) leaves the momentum as it was: ``m`` is
+        written only after the wrapped codec accepted ``p`` (host payload, numba), or blended
+        with ``torch.where`` on the device flag :attr:`last_finite` (device payload)."""
+        self._check_lr(lr)
+        return super().compress(x, key=key, step=step, lr=lr, out=out)
+
+    def _check_lr(self, lr: float | None) -> None:
+        check = getattr(self.inner, "_check_lr", None)
+        if check is not None:
+            check(lr)
+
+    def _step(self, g: torch.Tensor, body: torch.Tensor, h: Header) -> torch.Tensor | None:
+        self._pending_g = None
         if self.numel == 0:
-            return self.inner.compress(g, key=key, step=step, lr=lr, out=out)
-        if self.nan_policy == "raise":
-            self._check_finite(g, int(key))  # before m is touched: a rejected g leaves m intact
+            return self.inner._step(g, body, h)
         m = self._ensure_buffer(g.device)
         p = self._scratch("nesterov_p", g.device)
-        # 1. m = mu * m + g   (one pass: m = g + mu * m)
-        torch.add(g, m, alpha=self.mu, out=m)
-        # 2. p = g + mu * m
+        # 1. the new m = mu * m + g (one pass: g + mu * m), into p; m itself waits for _commit
         torch.add(g, m, alpha=self.mu, out=p)
+        # 2. p = g + mu * m_new
+        torch.add(g, p, alpha=self.mu, out=p)
+        self._pending_g = g
         # 3. compress p with the wrapped codec (error feedback, if any, happens there)
-        return self.inner.compress(p, key=key, step=step, lr=lr, out=out)
+        return self.inner._step(p, body, h)
+
+    def _commit(self, flag: torch.Tensor | None) -> None:
+        """Step 1 for real: m = g + mu * m (the same operation, so the same bits), where the
+        device flag holds (into the free scratch first, then ``torch.where``)."""
+        self.inner._commit(flag)
+        g, self._pending_g = self._pending_g, None
+        if g is None or self._m is None:
+            return
+        if flag is None:
+            torch.add(g, self._m, alpha=self.mu, out=self._m)
+            return
+        p = self._scratch("nesterov_p", g.device)
+        torch.add(g, self._m, alpha=self.mu, out=p)
+        torch.where(flag, p, self._m, out=self._m)
 
     def _ensure_buffer(self, device: torch.device) -> torch.Tensor:
         if self._m is None:

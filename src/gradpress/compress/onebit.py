@@ -51,34 +51,46 @@ class OneBitCodec(Codec):
         return (self.numel + 7) // 8 + 4
 
     # -- encode -----------------------------------------------------------------------------------
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                step: int) -> torch.Tensor | None:
         if self.use_torch(x.device):
-            self._encode_torch(x, body, key)
-            return
+            return self._encode_torch(x, body)
         _require_cpu(self, x)
         total = K.encode(x.numpy(), body.numpy(), bool(self.params["scaling"]))
         if self.nan_policy == "raise" and not math.isfinite(total):
             self._check_finite(x, key)  # raises the standard non-finite error
+        return None
 
-    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int) -> None:
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor) -> torch.Tensor | None:
+        """Torch ops, nothing read on the host; returns the finiteness flag under "raise"."""
         nbits = (self.numel + 7) // 8
         scaling = bool(self.params["scaling"])
-        # 2. (first, so a rejected input writes nothing) float64 |x| sum in the kernel's order
+        flag = None
+        # 2. float64 |x| sum in the kernel's order: finite exactly when every input is
         if scaling or self.nan_policy == "raise":
             total = K.abs_sum_torch(x)
-            if self.nan_policy == "raise" and not bool(torch.isfinite(total)):
-                self._check_finite(x, key)
+            if self.nan_policy == "raise":
+                flag = torch.isfinite(total)
         if scaling:
-            scale = (total / self.numel).to(torch.float32)
+            # a tensor divisor: ATen's CUDA div_true multiplies by the reciprocal of a CPU scalar
+            # ("may lose one bit of precision", aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu,
+            # not shipped in the wheel), one rounding more than the numba kernel's division
+            n = torch.full((), float(self.numel), dtype=torch.float64, device=x.device)
+            scale = (total / n).to(torch.float32)
             scale = torch.where(torch.isnan(scale), _CANONICAL_NAN, scale)
         else:
             scale = torch.ones((), dtype=torch.float32, device=x.device)
         # 1. sign bits, 8 per byte, LSB first
         signs = torch.zeros(nbits * 8, dtype=torch.uint8, device=x.device)
         signs[:self.numel] = torch.signbit(x)
-        weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=x.device)
+        weights = 1 << torch.arange(8, dtype=torch.int32, device=x.device)  # no host tensor
         body[:nbits].copy_((signs.view(nbits, 8) * weights).sum(dim=1, dtype=torch.int32))
         body[nbits:nbits + 4].copy_(scale.reshape(1).view(torch.uint8))
+        return flag
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        nbits = (self.numel + 7) // 8
+        return math.isfinite(float(body[nbits:nbits + 4].copy().view(np.float32)[0]))
 
     # -- error feedback (see Codec's docstring): two passes, p never stored ------------------------
     def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,
@@ -121,9 +133,10 @@ class OneBitCodec(Codec):
 
     def _decode_add(self, body: torch.Tensor, acc: torch.Tensor, alpha: float, h: Header) -> None:
         if self.use_torch(acc.device):
-            # v = float32(alpha * scale), one rounding, as in the numba kernel
-            v = K.read_scale(body, self.numel) * torch.tensor(alpha, dtype=torch.float32,
-                                                              device=acc.device)
+            # v = float32(alpha * scale), one rounding, as in the numba kernel; torch.full
+            # fills on the device (torch.tensor(alpha, device=...) would be a blocking copy)
+            v = K.read_scale(body, self.numel) * torch.full((), alpha, dtype=torch.float32,
+                                                            device=acc.device)
             acc.add_(torch.where(self._negative_torch(body), -v, v))
             return
         _require_cpu(self, acc)

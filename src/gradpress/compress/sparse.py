@@ -161,11 +161,12 @@ class TopK(_Sparse):
         K.unpack_indices(iraw.numpy(), self.index_bits, idx.numpy())
         return idx, vals
 
-    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+    def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int,
+                step: int) -> torch.Tensor | None:
         if self.use_torch(x.device):
-            self._encode_torch(x, body, key)
-            return
+            return self._encode_torch(x, body)
         self._encode_numba(x.numpy(), body, key)
+        return None
 
     def _encode_numba(self, xa: np.ndarray, body: torch.Tensor,
                       key: int) -> tuple[np.ndarray, np.ndarray]:
@@ -217,37 +218,63 @@ class TopK(_Sparse):
         self._scatter_numba(ia, va, ea, -1.0, key, True)
         return e
 
-    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor, key: int) -> None:
-        """Torch twin: exact ``torch.topk`` on ``|x|`` (ties may differ from the numba path)."""
-        if self.nan_policy == "raise":
-            self._check_finite(x, key)
+    def _encode_torch(self, x: torch.Tensor, body: torch.Tensor) -> torch.Tensor | None:
+        """Torch twin: exact ``torch.topk`` on ``|x|`` (ties may differ from the numba path);
+        nothing read on the host, the finiteness flag returned under "raise"."""
         iraw, vraw = self._regions(body)
         sel = torch.topk(x.abs(), self.kk, sorted=False).indices.sort().values
         if self._packed:
             iraw.copy_(pack_indices_torch(sel, self.index_bits, iraw.numel()))
         else:
             iraw.copy_(sel.to(torch.int32).view(torch.uint8))
-        v = x[sel]
+        v = x.index_select(0, sel)
         if self._value_bytes == 2:
             v = v.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
         vraw.copy_(v.view(torch.uint8))
+        return torch.isfinite(x).all() if self.nan_policy == "raise" else None
 
-    def _checked_indices(self, idx: torch.Tensor, h: Header) -> torch.Tensor:
+    def _check_body(self, body: torch.Tensor, h: Header) -> None:
+        """Host bounds check of the indices before a device decode (same error text)."""
+        if self.kk:
+            idx, _ = self._split_host(body)
+            if int(idx.min()) < 0 or int(idx.max()) >= self.numel:
+                raise ValueError(f"topk payload key {h.key}: index out of range "
+                                 f"[0, {self.numel})")
+
+    def _split_host(self, body: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The indices (int32) and values of a host body, with numba/numpy."""
+        iraw, vraw = (r.numpy() for r in self._regions(body))
+        vals = vraw.copy().view(np.float16 if self._value_bytes == 2 else np.float32)
+        if not self._packed:
+            return iraw.copy().view(np.int32), vals
+        idx = np.empty(self.kk, np.int32)
+        K.unpack_indices(iraw, self.index_bits, idx)
+        return idx, vals
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        vals = self._split_host(torch.from_numpy(body))[1]
+        return bool(np.isfinite(vals).all())
+
+    def _checked_indices(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device-side bounds check without a host read: ``(indices, any_bad)``, an index
+        outside ``[0, numel)`` (only from a corrupted payload; host payloads were checked by
+        :meth:`_check_body`) replaced by 0, so nothing is touched out of bounds."""
         sel = idx.long()
-        if self.kk and (int(sel.min()) < 0 or int(sel.max()) >= self.numel):
-            raise ValueError(f"topk payload key {h.key}: index out of range [0, {self.numel})")
-        return sel
+        bad = (sel < 0) | (sel >= self.numel)
+        return torch.where(bad, 0, sel), bad.any()
 
     def _scatter(self, body: torch.Tensor, out: torch.Tensor, alpha: float, h: Header,
                  accumulate: bool) -> None:
         idx, vals = self._split(body)
         if self.use_torch(out.device):
-            sel = self._checked_indices(idx, h)
+            sel, any_bad = self._checked_indices(idx)
             v = vals.to(torch.float32)
             if accumulate:
                 out.index_add_(0, sel, v, alpha=alpha)
             else:
                 out.index_copy_(0, sel, v)
+            # a bad index makes element 0 NaN, so the receiver's finiteness check rejects it
+            out[:1].copy_(torch.where(any_bad, torch.nan, out[:1]))
             return
         va = vals.numpy().astype(np.float32, copy=False)
         self._scatter_numba(idx.numpy(), va, out.numpy(), alpha, h.key, accumulate)
@@ -282,7 +309,7 @@ def pack_indices_torch(idx: torch.Tensor, w: int, nbytes: int) -> torch.Tensor:
     dev = idx.device
     bits = (idx.to(torch.int64).unsqueeze(1) >> torch.arange(w, device=dev)) & 1
     bits = torch.nn.functional.pad(bits.reshape(-1), (0, 8 * nbytes - bits.numel()))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int64, device=dev)
+    weights = 1 << torch.arange(8, dtype=torch.int64, device=dev)  # built on the device
     return (bits.view(nbytes, 8) * weights).sum(1).to(torch.uint8)
 
 
@@ -341,10 +368,19 @@ class RandomK(_Sparse):
     def _encode(self, x: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
         vals = self._values_f32(body, 0)
         if self.use_torch(x.device):
-            vals.copy_(x[self.indices(key, step, device=x.device)])
+            vals.copy_(x.index_select(0, self.indices(key, step, device=x.device)))
         else:
             s0, s1 = self._words(key, step)
             K.randomk_gather(x.numpy(), s0, s1, vals.numpy())
+
+    def _body_finite(self, body: np.ndarray) -> bool:
+        return bool(np.isfinite(body[:4 * self.kk].copy().view(np.float32)).all())
+
+    def _gather_clear(self, e: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
+        """Sparse error feedback on the CPU (numba): send ``e`` at the positions of
+        ``(key, step)`` and zero them, each position computed once."""
+        s0, s1 = self._words(key, step)
+        K.randomk_gather_clear(e.numpy(), s0, s1, self._values_f32(body, 0).numpy())
 
     def _scatter(self, body: torch.Tensor, out: torch.Tensor, alpha: float, h: Header,
                  accumulate: bool) -> None:

@@ -75,8 +75,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CTRL_BYTES", "OP_PUSH", "OP_STOP", "OP_SAVE", "OP_LOAD", "Control", "pack_control",
            "unpack_control", "KeyDescriptor", "read_control", "require_declared", "add_push",
-           "check_sum", "decode_reply", "is_finite", "request_server_op", "read_request",
-           "acknowledge", "ArrivalCounter"]
+           "check_sum", "decode_reply", "is_finite", "finite_flag", "request_server_op",
+           "read_request", "acknowledge", "ArrivalCounter"]
 
 _FMT = struct.Struct("<B3xIqdQ")
 CTRL_BYTES = _FMT.size
@@ -161,13 +161,22 @@ class KeyDescriptor:
 
 # -- checks of what peers send ---------------------------------------------------------------
 def is_finite(t: torch.Tensor) -> bool:
-    """Whether every element of float32 tensor ``t`` is finite (one pass, near bandwidth)."""
+    """Whether every element of float32 tensor ``t`` is finite (one pass, near bandwidth).
+
+    On a device this reads the answer back: a host synchronisation (device-mode callers can
+    use :func:`finite_flag` and read it together with other results)."""
     if t.numel() == 0:
         return True
     if t.device.type == "cpu" and t.is_contiguous():
         from ..compress.kernels.common import all_finite
         return all_finite(t.reshape(-1).numpy())
-    return bool(torch.isfinite(t).all())
+    return bool(finite_flag(t))
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on ``t``'s device, True when every element of ``t`` is finite (nothing
+    is read on the host)."""
+    return torch.isfinite(t).all()
 
 
 def read_control(buf: torch.Tensor, *, sender: str, receiver: str) -> Control:
@@ -222,14 +231,22 @@ def check_sum(acc: torch.Tensor, codec: Codec, payloads: list[torch.Tensor],
 
 def decode_reply(codec: Codec, payload: torch.Tensor, out: torch.Tensor, *, key: int,
                  step: int, sender: str, label: str) -> None:
-    """Step 4: validate ``sender``'s reply for ``key`` at ``step`` and decode it into ``out``."""
+    """Step 4: validate ``sender``'s reply for ``key`` at ``step`` and decode it into ``out``.
+
+    A host payload decoded with torch ops (``out`` on a GPU, or a ``backend="torch"`` codec) is
+    judged finite from its bytes (:meth:`~gradpress.compress.base.Codec.payload_finite`), so
+    the decode runs on ``out``'s device without a host synchronisation; otherwise the decoded
+    values are scanned, as before. Both decide the same thing: every codec decodes a payload
+    whose values/scale/norm are finite (and, for dithering, whose codes are valid) to finite
+    values."""
+    from_bytes = payload.device.type == "cpu" and codec.use_torch(out.device)
     try:
         codec.check_header(payload, key=key, step=step, sender=sender)
         codec.decompress(payload, out=out)
     except ValueError as e:
         raise PayloadError(f"{label}: reply from {sender} rejected: {e}", key=key, peer=sender,
                            stage="pull") from e
-    if not is_finite(out):
+    if not (codec.payload_finite(payload) if from_bytes else is_finite(out)):
         raise PayloadError(f"{label}: reply from {sender} rejected: it decodes to non-finite "
                            f"values (NaN/inf)", key=key, peer=sender, stage="pull")
 

@@ -4,7 +4,7 @@ Algorithm (Alistarh et al., NeurIPS 2017, "QSGD: Communication-Efficient SGD via
 Quantization and Encoding", sec. 3.1; natural partition after Horvath et al. 2019, "Natural
 Compression for Distributed Deep Learning"; as in BytePS's ``dithering`` compressor):
 
-1. ``norm`` = max|x| or ||x||_2 (:func:`max_abs_bits`, :func:`sumsq_lanes`); a non-finite input
+1. ``norm`` = max|x| or ||x||_2 (:func:`max_abs_bits`, :func:`sumsq`); a non-finite input
    shows up as a non-finite norm, so this pass doubles as the NaN/inf check.
 2. ``y = (|x| * pre) * scale`` in float32, with ``pre`` a power of two that keeps ``scale`` in
    the normal float32 range; ``y`` is ``r = |x| / norm`` mapped onto the level grid:
@@ -28,7 +28,7 @@ writes the bytes. Decoding is one table lookup per element, ``table[code]`` = si
 unpacked codes.
 
 Error feedback, two passes: the norm of ``p = g + e`` (:mod:`.common`) computed on the fly
-(:func:`max_abs_ef`, :func:`sumsq_lanes_ef`: same order, same value as on a stored ``p``), then
+(:func:`max_abs_ef`, :func:`sumsq_ef`: same order, same value as on a stored ``p``), then
 :func:`encode_ef`: per block, ``p`` is stored over ``e``, quantized by the same block kernels and
 the decode-add table (alpha = -1) added in place, as :func:`decode_add` would.
 """
@@ -40,12 +40,13 @@ import numpy as np
 
 from .common import MODE_P, ef_p, f32_bits, fill_p, max_abs_ef  # max_abs_ef: re-exported
 
-__all__ = ["BLOCK", "LANES", "hash32", "hash32_np", "max_abs_bits", "sumsq_lanes",
-           "encode_linear", "encode_natural", "decode", "decode_add", "sumsq_lanes_ef",
+__all__ = ["BLOCK", "LANES", "ROWS", "hash32", "hash32_np", "max_abs_bits", "sumsq",
+           "encode_linear", "encode_natural", "decode", "decode_add", "sumsq_ef",
            "max_abs_ef", "encode_ef"]
 
 BLOCK = 4096  # elements per block; a multiple of 8 (blocks start on a byte) dividing 2**32
-LANES = 8  # independent float64 partial sums of the l2 norm (fixed order, reproduced by torch)
+LANES = 256  # lanes of the l2 norm's float64 sum (fixed order, reproduced by torch ops)
+ROWS = 16  # rows of LANES per BLOCK in that sum
 
 _U8 = np.uint32(8)
 _U9 = np.uint32(9)
@@ -96,27 +97,52 @@ def max_abs_bits(xb: np.ndarray) -> np.uint32:
 
 
 @numba.njit(cache=True, nogil=True)
-def sumsq_lanes_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
-    """``LANES`` float64 partial sums of p**2 (``p`` = :func:`.common.ef_p` of ``g, e, r, mode``),
-    lane ``j`` summing elements ``i % LANES == j`` in index order (squares of float32 are exact in
-    float64; the sum is non-finite iff p is)."""
-    acc = np.zeros(LANES, np.float64)
-    n = g.shape[0]
-    full = n - n % LANES
-    for q in range(0, full, LANES):
-        for j in range(LANES):
-            v = np.float64(ef_p(g, e, r, mode, q + j))
-            acc[j] += v * v
-    for i in range(full, n):
-        v = np.float64(ef_p(g, e, r, mode, i))
-        acc[i - full] += v * v
-    return acc
+def _fold(acc: np.ndarray, w: int) -> float:
+    """Halving tree over acc[:w] (w a power of two): acc[j] += acc[j + w/2], ... -> acc[0]."""
+    while w > 1:
+        w //= 2
+        for j in range(w):
+            acc[j] += acc[j + w]
+    return acc[0]
 
 
 @numba.njit(cache=True, nogil=True)
-def sumsq_lanes(x: np.ndarray) -> np.ndarray:
-    """:func:`sumsq_lanes_ef` of ``p = x``."""
-    return sumsq_lanes_ef(x, x, np.float32(1.0), MODE_P)
+def sumsq_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
+    """float64 sum of p**2 (``p`` = :func:`.common.ef_p` of ``g, e, r, mode``) in a fixed order
+    that a parallel reduction reproduces (:func:`gradpress.compress.dithering.sumsq_torch`),
+    the order of the onebit kernels' |x| sum: per block of ``BLOCK`` elements, ``ROWS`` rows of
+    ``LANES`` added lane-wise in row order (a vectorizable loop), the lanes folded by a halving
+    tree; then the block sums, zero-padded to a power of two, by the same tree. Squares of
+    float32 are exact in float64 and missing elements count as +0.0 (which changes no sum), so
+    the total is non-finite exactly when p is."""
+    n = g.shape[0]
+    nblk = max(1, (n + BLOCK - 1) // BLOCK)
+    q = 1
+    while q < nblk:
+        q *= 2
+    sums = np.zeros(q)
+    acc = np.empty(LANES)
+    for b in range(nblk):
+        lo = b * BLOCK
+        acc[:] = 0.0
+        if lo + BLOCK <= n:
+            for row in range(ROWS):
+                base = lo + row * LANES
+                for j in range(LANES):
+                    v = np.float64(ef_p(g, e, r, mode, base + j))
+                    acc[j] += v * v
+        else:
+            for i in range(lo, n):
+                v = np.float64(ef_p(g, e, r, mode, i))
+                acc[(i - lo) % LANES] += v * v
+        sums[b] = _fold(acc, LANES)
+    return _fold(sums, q)
+
+
+@numba.njit(cache=True, nogil=True)
+def sumsq(x: np.ndarray) -> float:
+    """:func:`sumsq_ef` of ``p = x``."""
+    return sumsq_ef(x, x, np.float32(1.0), MODE_P)
 
 
 # -- steps 2-3: quantize a block into codes -----------------------------------------------------

@@ -146,6 +146,18 @@ def randomk_gather(x: np.ndarray, s0: int, s1: int, out: np.ndarray) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def randomk_gather_clear(e: np.ndarray, s0: int, s1: int, out: np.ndarray) -> None:
+    """``out[b] = e[pos(b)]; e[pos(b)] = 0`` for every bucket (sparse error feedback: each
+    position computed once)."""
+    n, kk = e.shape[0], out.shape[0]
+    u0, u1 = np.uint64(s0), np.uint64(s1)
+    for b in range(kk):
+        p = _bucket_pos(b, n, kk, u0, u1)
+        out[b] = e[p]
+        e[p] = 0.0
+
+
+@numba.njit(cache=True, nogil=True)
 def randomk_scatter(vals: np.ndarray, s0: int, s1: int, out: np.ndarray, alpha: float,
                     accumulate: bool) -> None:
     """``out[pos(b)] = vals[b]`` or, with ``accumulate``, ``out[pos(b)] += alpha * vals[b]``."""
