@@ -294,3 +294,30 @@ def test_cuda_foreach_matches_cpu(name: str, make: Any) -> None:
     for x, y in zip(a, b):
         assert y.is_cuda
         torch.testing.assert_close(y.detach().cpu(), x.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_on_a_side_stream() -> None:
+    """LANS stepped under a non-default stream (its bucket sizes cached for that stream) gives
+    the bits of a step on the default stream, again without a synchronisation. Written from
+    PyTorch's sources; not yet run on a GPU."""
+    a, grads = _case(torch.float32)
+    a = [p.detach().cuda().requires_grad_() for p in a]
+    b = [p.detach().clone().requires_grad_() for p in a]
+    opt_a, opt_b = LANS(a, lr=0.01, fused=False), LANS(b, lr=0.01, fused=False)
+    side = torch.cuda.Stream()
+    for gs in grads:
+        for p, q, g in zip(a, b, gs):
+            p.grad, q.grad = g.cuda(), g.cuda()
+        opt_a.step()
+        side.wait_stream(torch.cuda.current_stream())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                opt_b.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)

@@ -4,6 +4,7 @@ by one multi-tensor op each without a host copy: the host path for CPU tensors, 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ _DEVICE_PATH_ON_CPU = False
 #: :func:`_per_element`), keyed by (device, stream id, counts); at most :data:`_SIZES_MAX`.
 _SIZES: dict[tuple[Any, ...], torch.Tensor] = {}
 _SIZES_MAX = 64
+_SIZES_LOCK = threading.Lock()
 
 
 def _on_host(t: torch.Tensor) -> bool:
@@ -35,24 +37,27 @@ def _on_host(t: torch.Tensor) -> bool:
 def _sizes_on(device: torch.device, numels: tuple[int, ...]) -> torch.Tensor:
     """``numels`` as a 1-D integer tensor on ``device``, cached per device, stream and counts.
 
-    Created with a ``non_blocking`` copy from pageable memory: ``copy_kernel_cuda`` then issues
-    ``cudaMemcpyAsync`` without the ``cudaStreamSynchronize`` of a blocking copy
-    (``c10::cuda::memcpy_and_sync`` in torch/include/c10/cuda/CUDAFunctions.h, the call that sync
-    debug mode reports), and CUDA stages pageable memory before the call returns, so the host
-    list may go. Keyed by the current stream too, so a tensor is only used on the stream that
-    allocated it and dropping it from the cache is safe in the caching allocator's stream order.
-    int32 where the total allows (``repeat_interleave``'s index then takes 4 bytes an element).
+    Made once per bucket layout with a ``non_blocking`` copy, from pinned memory on CUDA: the
+    copy kernel then issues ``cudaMemcpyAsync`` without the ``cudaStreamSynchronize`` of a
+    blocking copy (``c10::cuda::memcpy_and_sync`` in torch/include/c10/cuda/CUDAFunctions.h, the
+    call that sync debug mode reports) and records an event so that the caching host allocator
+    does not reuse the pinned block before the copy ran (torch/include/ATen/cuda/
+    CachingHostAllocator.h). Keyed by the current stream too, so a tensor is used only on the
+    stream that allocated it and dropping it from the cache is safe in the caching allocator's
+    stream order (other accelerators: keyed by device only). int32 where the total allows
+    (``repeat_interleave``'s index then takes 4 bytes an element).
     """
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
     key = (device, stream, numels)
-    sizes = _SIZES.get(key)
-    if sizes is None:
-        if len(_SIZES) >= _SIZES_MAX:
-            _SIZES.pop(next(iter(_SIZES)))
-        dtype = torch.int32 if sum(numels) < 2 ** 31 else torch.int64
-        sizes = torch.tensor(numels, dtype=dtype).to(device, non_blocking=True)
-        _SIZES[key] = sizes
-    return sizes
+    with _SIZES_LOCK:
+        sizes = _SIZES.get(key)
+        if sizes is None:
+            if len(_SIZES) >= _SIZES_MAX:
+                del _SIZES[next(iter(_SIZES))]      # the oldest entry
+            dtype = torch.int32 if sum(numels) < 2 ** 31 else torch.int64
+            host = torch.tensor(numels, dtype=dtype, pin_memory=device.type == "cuda")
+            sizes = _SIZES[key] = host.to(device, non_blocking=True)
+        return sizes
 
 
 def _shaped_like(seg: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,8 @@ class LANS(BucketedOptimizer):
     @staticmethod
     def _normalized(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """New list ``g / ||g||`` per tensor, ``g`` itself where the norm is 0 (one
-        multi-tensor division, no host copy of the norms: :func:`_common.divided`)."""
+        multi-tensor division, no host copy of the norms:
+        :func:`gradpress.optim._scalars.divided`)."""
         n = norms(grads)
         n = torch.where(n > 0, n, torch.ones_like(n)).to(grads[0].dtype)
         return divided(grads, n)
