@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch._prims_common import (
+    is_non_overlapping_and_dense_or_false as is_non_overlapping_and_dense,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -170,9 +173,9 @@ def test_sizes_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_device_path_helpers_match_host_path(dtype: torch.dtype,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(1)
-    us = [torch.randn(s, generator=gen).to(dtype) for s in [(3, 4), (0,), (7,), (5, 2)]]
+    us = [torch.randn(s, generator=gen).to(dtype) for s in [(3, 4), (0,), (7,), (5, 2), ()]]
     us[3] = us[3].t()   # transposed: the views follow its strides
-    s = torch.randn(4, generator=gen).to(dtype)
+    s = torch.randn(5, generator=gen).to(dtype)
     host_x = [torch.randn(u.shape, generator=gen).to(dtype) for u in us]
     dev_x = [x.clone() for x in host_x]
     host_q = _scalars.divided(us, s)
@@ -198,6 +201,68 @@ def test_device_path_bit_identical_to_host_path(name: str, make: Any, dtype: tor
     _run(opt_b, b, grads)
     for x, y in zip(a, b):
         assert torch.equal(x, y), (name, x.shape)
+
+
+def _fast_route_open(lists: list[list[torch.Tensor]]) -> bool:
+    """CUDA's condition for the multi-tensor route (``check_fast_path_restrictions`` in
+    torch/include/ATen/native/ForeachUtils.h) on the tensor lists of one foreach call: one
+    device and dtype, every tensor dense and non-overlapping, and the ``j``-th tensors of all
+    lists equal in size and, except along size-1 dims, in stride."""
+    first = lists[0]
+    for ts in lists:
+        for t, u in zip(ts, first):
+            if t.shape != u.shape or t.dtype != u.dtype or t.device != u.device \
+                    or not is_non_overlapping_and_dense(t):
+                return False
+            if any(n != 1 and x != y for n, x, y in zip(t.shape, t.stride(), u.stride())):
+                return False
+    return True
+
+
+class _FastRoute(TorchFunctionMode):
+    """Records every ``torch._foreach_*`` call whose tensor lists would close CUDA's fast route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name.startswith("_foreach_"):
+            lists = [list(a) for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))
+                     and a and all(isinstance(t, torch.Tensor) for t in a)]
+            if lists and not _fast_route_open(lists):
+                self.closed.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name,make", CONFIGS, ids=IDS)
+def test_device_path_keeps_the_fast_route_open(name: str, make: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every foreach call of a step on the device path meets CUDA's fast-route condition, with
+    a transposed (dense, not contiguous) parameter in the bucket: the per-element scalars
+    follow each tensor's strides."""
+    monkeypatch.setattr(_scalars, "_DEVICE_PATH_ON_CPU", True)
+    params, grads = _case(torch.float32)
+    params = [p for p in params if p.dim() > 0]
+    params[-1] = params[-1].detach().t().contiguous().t().requires_grad_()  # strides (1, 129)
+    assert not params[-1].is_contiguous()
+    grads = [[g.t().contiguous().t() if g.dim() == 2 else g for g in gs[:len(params)]]
+             for gs in grads]
+    opt = make(params)
+    mode = _FastRoute()
+    with mode:
+        _run(opt, params, grads)
+    assert mode.closed == [], sorted(set(mode.closed))
+
+
+def test_fast_route_check_can_fail() -> None:
+    x = [torch.zeros(3, 4)]
+    assert _fast_route_open([x, [torch.zeros(3, 4)]])
+    assert not _fast_route_open([x, [torch.zeros(4, 3).t()]])      # other strides
+    assert not _fast_route_open([x, [torch.zeros(3, 8)[:, ::2]]])  # not dense
+    assert not _fast_route_open([x, [torch.zeros(())]])             # a 0-d scalar
 
 
 class _HostReads(TorchDispatchMode):
