@@ -77,9 +77,10 @@ def _per_element(scalars: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Te
     """Tensors shaped like ``ts``, the ``i``-th filled with ``scalars[i]``: views of one flat
     buffer made on ``scalars``' device by ``repeat_interleave`` with ``output_size`` given, which
     "will avoid stream synchronization needed to calculate output shape" (its docstring in
-    torch/_torch_docs.py; ATen reads the total back with ``.item()`` only without it). Costs one
-    buffer of the bucket's element count in ``scalars``' dtype, plus, while it is filled, an
-    int32 index of the same length."""
+    torch/_torch_docs.py; ``meta_repeat_interleave_Tensor`` in torch/_meta_registrations.py
+    refuses to run without it, having no values to sum). Costs one buffer of the bucket's
+    element count in ``scalars``' dtype, plus, while it is filled, an int32 index of the same
+    length."""
     numels = tuple(t.numel() for t in ts)
     sizes = _sizes_on(scalars.device, numels)
     flat = torch.repeat_interleave(scalars, sizes, output_size=sum(numels))
