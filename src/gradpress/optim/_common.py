@@ -5,15 +5,17 @@ All optimizers here keep, per parameter tensor, ``step`` (a Python int), ``exp_a
 that know torch's Adam layout. Work is batched with ``torch._foreach_*`` ops over the
 tensors of one (device, dtype) bucket. Per-tensor scalars known on the host (bias
 corrections) travel as lists of floats; those computed on the device (trust ratios, gradient
-norms) as one stacked 1-D tensor per list, copied to the host once per bucket and stage
-(:func:`host_scalars`: a synchronisation on a GPU) and applied by one multi-tensor op
-(:func:`add_scaled_`, :func:`divided`). A list of 0-d device tensors instead would cost no
-synchronisation but one kernel per tensor: CUDA's foreach kernels take the fast multi-tensor
-route only when the tensors of all lists match in size and stride (``can_use_fast_route`` in
-ATen's ``ForeachUtils.h``, C++ not shipped with the wheel), and take per-tensor scalars only
-from the host (``Scalar[]``, or the ``Tensor scalars`` overloads of ``native_functions.yaml``,
-which raise "Expected scalars to be on CPU" for another device). Reasoned from PyTorch's
-sources, not yet measured on a GPU. Buckets of contiguous
+norms) as one stacked 1-D tensor per list, applied by one multi-tensor op (:func:`add_scaled_`,
+:func:`divided`) without leaving the device. CUDA's foreach kernels take the fast multi-tensor
+route only when the tensors of all lists are dense and match in size and stride
+(``can_use_fast_route`` in torch/include/ATen/native/ForeachUtils.h), so a list of 0-d tensors
+runs one kernel per tensor, and take per-tensor scalars only from the host (``Scalar[]``, or a
+``Tensor scalars`` that ``convert_tensor_to_scalar_list`` there requires on the CPU): copying
+them there is a synchronisation per bucket on a GPU. So CPU buckets pass the scalars as host
+values, and other devices spread them, with no host copy, over a buffer shaped like the
+bucket's tensors for the tensor-list overloads (:mod:`gradpress.optim._scalars`). The device
+path is reasoned from PyTorch's sources and run on the CPU and the meta device by the tests,
+not yet measured on a GPU. Buckets of contiguous
 float32 CPU tensors can instead take the fused numba kernels of :mod:`gradpress.optim.kernels`
 (:func:`use_fused`, :func:`fused_layerwise_`): two passes per tensor instead of about twelve.
 """
@@ -27,13 +29,13 @@ from typing import Any
 import torch
 
 from . import kernels
+from ._scalars import add_scaled_, divided, scaled_by
 
 __all__ = [
     "Bucket",
     "adam_denominators",
     "add_scaled_",
     "divided",
-    "host_scalars",
     "direction",
     "BucketedOptimizer",
     "check_fused",
@@ -179,48 +181,6 @@ def trust_ratios(xn: torch.Tensor, us: list[torch.Tensor], min_trust: float | No
     if min_trust is not None or max_trust is not None:
         ratio = ratio.clamp(min=min_trust, max=max_trust)
     return torch.where((xn > 0) & (un > 0), ratio, torch.ones_like(ratio))
-
-
-def scaled_by(ratio: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
-    """``factor * ratio`` in ``dtype``: one 1-D tensor, an entry per tensor of a bucket."""
-    return (ratio * factor).to(dtype)
-
-
-def host_scalars(*stacked: torch.Tensor) -> list[torch.Tensor]:
-    """The 1-D tensors ``stacked`` (same dtype) as contiguous CPU tensors, for the ``Tensor
-    scalars`` overloads of the foreach ops. CPU tensors come back as they are; device ones
-    with a single copy for all of them (one synchronisation)."""
-    if all(t.device.type == "cpu" for t in stacked):
-        return [t.contiguous() for t in stacked]
-    if stacked[0].device.type == "meta":  # no data (a dry run of shapes): placeholders
-        return [torch.zeros(t.shape, dtype=t.dtype) for t in stacked]
-    flat = torch.cat(stacked).cpu()
-    return list(flat.split([t.numel() for t in stacked]))
-
-
-def _ones_like_each(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A tensor of ones like each of ``ts`` (same size and strides, so CUDA's multi-tensor
-    route stays open), as views of one buffer the size of the largest; ``ones_like`` for a
-    tensor that is not contiguous."""
-    ones = torch.ones(max(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
-    return [ones[:t.numel()].view(t.shape) if t.is_contiguous() else torch.ones_like(t)
-            for t in ts]
-
-
-def add_scaled_(xs: list[torch.Tensor], us: list[torch.Tensor], scalars: torch.Tensor) -> None:
-    """In place ``x_i += s_i * u_i`` for every tensor, ``scalars`` a 1-D CPU tensor
-    (:func:`host_scalars`): one ``_foreach_addcmul_(x, ones, u, scalars)``, which computes
-    ``x + (s*1)*u``, the same rounding as ``x + (1*u)*s`` with ``s`` a 0-d tensor (one fused
-    multiply-add where the kernel fuses)."""
-    if xs:
-        torch._foreach_addcmul_(xs, _ones_like_each(us), us, scalars)
-
-
-def divided(ts: list[torch.Tensor], scalars: torch.Tensor) -> list[torch.Tensor]:
-    """New list ``t_i / s_i``, ``scalars`` a 1-D CPU tensor (:func:`host_scalars`), with one
-    multi-tensor ``_foreach_div`` (a Python list of its values: the op has no ``Tensor
-    scalars`` overload)."""
-    return list(torch._foreach_div(ts, scalars.tolist())) if ts else []
 
 
 class BucketedOptimizer(torch.optim.Optimizer):

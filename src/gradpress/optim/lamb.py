@@ -20,7 +20,6 @@ from ._common import (
     check_trust,
     direction,
     fused_layerwise_,
-    host_scalars,
     moments_,
     norms,
     scaled_by,
@@ -123,4 +122,4 @@ class LAMB(BucketedOptimizer):
         # Step 4: trust ratio ||x||/||u|| (1 where a norm is 0).
         q = trust_ratios(norms(b.params), u, group["min_trust"], group["max_trust"])
         # Step 5: x -= lr*q*u.
-        add_scaled_(b.params, u, *host_scalars(scaled_by(q, -group["lr"], b.params[0].dtype)))
+        add_scaled_(b.params, u, scaled_by(q, -group["lr"], b.params[0].dtype))

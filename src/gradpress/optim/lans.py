@@ -24,7 +24,6 @@ from ._common import (
     direction,
     divided,
     fused_layerwise_,
-    host_scalars,
     moments_,
     norms,
     scaled_by,
@@ -154,11 +153,12 @@ class LANS(BucketedOptimizer):
 
     @staticmethod
     def _normalized(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """New list ``g / ||g||`` per tensor, ``g`` itself where the norm is 0 (the norms
-        reach the host in one copy, :func:`~gradpress.optim._common.host_scalars`)."""
+        """New list ``g / ||g||`` per tensor, ``g`` itself where the norm is 0 (one
+        multi-tensor division, no host copy of the norms:
+        :func:`gradpress.optim._scalars.divided`)."""
         n = norms(grads)
         n = torch.where(n > 0, n, torch.ones_like(n)).to(grads[0].dtype)
-        return divided(grads, *host_scalars(n))
+        return divided(grads, n)
 
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
         frozen = group.get("freeze_variance_after")
@@ -185,9 +185,7 @@ class LANS(BucketedOptimizer):
         xn = norms(b.params)
         q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
         q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
-        # Step 7: x -= lr*b1*q_r*r + lr*(1-b1)*q_c*c (both ratios reach the host in one copy).
+        # Step 7: x -= lr*b1*q_r*r + lr*(1-b1)*q_c*c (the ratios stay on the device).
         dtype = b.params[0].dtype
-        s_r, s_c = host_scalars(scaled_by(q_r, -lr * beta1, dtype),
-                                scaled_by(q_c, -lr * (1.0 - beta1), dtype))
-        add_scaled_(b.params, r, s_r)
-        add_scaled_(b.params, c, s_c)
+        add_scaled_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
+        add_scaled_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))

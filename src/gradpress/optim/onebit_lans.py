@@ -20,7 +20,6 @@ from ._common import (
     adam_denominators,
     add_scaled_,
     direction,
-    host_scalars,
     moments_,
     norms,
     scaled_by,
@@ -330,13 +329,11 @@ class OneBitLANS(LANS):
         dtype = b.params[0].dtype
         q_r = trust_ratios(xn, r, group["min_trust"], group["max_trust"])
         if c is None:
-            add_scaled_(b.params, r, *host_scalars(scaled_by(q_r, -lr, dtype)))
+            add_scaled_(b.params, r, scaled_by(q_r, -lr, dtype))
             return
         q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
-        s_r, s_c = host_scalars(scaled_by(q_r, -lr * beta1, dtype),
-                                scaled_by(q_c, -lr * (1.0 - beta1), dtype))
-        add_scaled_(b.params, r, s_r)
-        add_scaled_(b.params, c, s_c)
+        add_scaled_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
+        add_scaled_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))
 
 
 def _check_variance(variance: Any, opt: OneBitLANS) -> str:
