@@ -325,8 +325,8 @@ def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[torch.Tensor, torch.Tensor]:
 def sumsq_torch(x: torch.Tensor) -> torch.Tensor:
     """:func:`.kernels.dithering.sumsq` with torch ops, a 0-d float64 tensor: the same float64
     additions in the same order (``ROWS`` lane-wise adds per block, halving trees over the lanes
-    and over the zero-padded block sums), hence the same sum bit for bit; a deterministic
-    parallel reduction (replacing a sequential ``cumsum``, issue #30)."""
+    and over the zero-padded block sums), hence the same sum bit for bit (a deterministic
+    parallel reduction, not a sequential ``cumsum``)."""
     n = x.numel()
     nblk = max(1, -(-n // K.BLOCK))
     a = torch.zeros(nblk * K.BLOCK, dtype=torch.float64, device=x.device)
