@@ -592,3 +592,33 @@ def test_deferred_finish_matches_the_immediate_checks(bad, dtype):
     assert torch.equal(out[True], out[False]) and out[True].dtype == dtype
     assert errors[True] == errors[False]
     assert bool((out[True] == 0).all()) == bool(bad)
+
+
+def test_device_check_records_its_event_on_the_flags_device(monkeypatch):
+    """``DeviceCheck`` records its event on the current stream of the flag's device, not on
+    that of the thread's current device (``torch.cuda.Event.record()`` without a stream takes
+    ``torch.cuda.current_stream()``, torch/cuda/streams.py): on a communication thread whose
+    current device is 0, a bucket on cuda:1 would get an event that covers none of its copy.
+    CUDA is faked: a flag object on "cuda:1", and recorders for the stream, event and copy."""
+    import gradpress._ddp_buckets as B
+    recorded, copied = [], []
+
+    class Ok:
+        device = torch.device("cuda", 1)
+
+    class Flag:
+        def copy_(self, src, non_blocking=False):
+            copied.append((src, non_blocking))
+
+    class Event:
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(B.torch, "empty", lambda *a, **k: Flag())
+    monkeypatch.setattr(B.torch.cuda, "Event", Event)
+    monkeypatch.setattr(B.torch.cuda, "current_stream",
+                        lambda device=None: ("current stream of", device))
+    ok = Ok()
+    B.DeviceCheck(None, ok)  # type: ignore[arg-type]
+    assert copied == [(ok, True)]
+    assert recorded == [("current stream of", torch.device("cuda", 1))]

@@ -346,7 +346,10 @@ class DeviceCheck:
             self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
             self.flag.copy_(ok, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            # on ok's device: Event.record() without a stream takes torch.cuda.current_stream()
+            # of the thread's current device (torch/cuda/streams.py, Event.record), which on a
+            # communication thread (gloo's, for CUDA tensors) need not be the bucket's
+            self.event.record(torch.cuda.current_stream(ok.device))
         else:
             self.flag = ok
 
