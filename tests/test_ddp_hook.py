@@ -622,3 +622,46 @@ def test_device_check_records_its_event_on_the_flags_device(monkeypatch):
     B.DeviceCheck(None, ok)  # type: ignore[arg-type]
     assert copied == [(ok, True)]
     assert recorded == [("current stream of", torch.device("cuda", 1))]
+
+
+@pytest.mark.parametrize("bad", [{1: "marked"}, {0: "step", 1: "marked"},
+                                 {1: "marked", 2: "step"}, {0: "nan", 2: "marked"}], ids=str)
+def test_push_marked_rejected_by_its_sender_is_rejected_naming_it(bad):
+    """A sender whose device-payload compress rejected its input (``last_finite`` False: no
+    raise, the payload still goes out) marks the header's flags (``mark_rejected``); the owner
+    rejects that push, deferred or not, naming the same sender with the same error, even when
+    the payload decodes to finite values (randomk, topk with fp16 values)."""
+    from gradpress._ddp_buckets import (
+        mark_rejected,
+        raise_failed,
+        reduce_shard,
+        reduce_shard_deferred,
+    )
+    agg, errors = {}, {}
+    for deferred in (False, True):
+        ex = _exchange(100, deferred)
+        _fill(ex.codecs, ex.codecs.recv, lambda i: 0, {i: b for i, b in bad.items()
+                                                       if b != "marked"})
+        for i in (i for i, b in bad.items() if b == "marked"):
+            mark_rejected(ex.codecs.payload(ex.codecs.recv, i, 0), torch.tensor(False))
+        fn = reduce_shard_deferred if deferred else reduce_shard
+        _, errors[deferred] = _run(functools.partial(lambda f, e: f(e, None), fn), ex)
+        agg[deferred] = ex.codecs.agg.clone()
+        if deferred:
+            assert errors[True] is None
+            _, errors[True] = _run(raise_failed, ex)
+    first = min(i for i, b in bad.items() if b != "nan")  # header checks before the sum's
+    assert bytes(agg[True][:2]) == b"GX" and int(agg[True][4]) == first
+    assert torch.equal(agg[True][:8], agg[False][:8])
+    assert errors[True] == errors[False] and f"push from rank {first}" in errors[False]
+    if bad[first] == "marked":
+        assert "non-finite" in errors[False]
+
+
+def test_mark_rejected_sets_the_flags_only_for_a_false_flag():
+    from gradpress._ddp_buckets import mark_rejected
+    p = torch.zeros(48, dtype=torch.uint8)
+    mark_rejected(p, torch.tensor(True))
+    assert not p.any()
+    mark_rejected(p, torch.tensor(False))
+    assert p.nonzero().flatten().tolist() == [36]

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "BucketExchange",
            "reduce_shard", "finish", "reduce_shard_deferred", "finish_deferred", "DeviceCheck",
-           "raise_failed"]
+           "raise_failed", "mark_rejected"]
 
 # An owner that rejected a push sends this instead of its aggregate: magic b"GX" (never a payload
 # header's b"GP"), 2 zero bytes, the rejected sender's rank (uint32, _NO_RANK when not one rank).
@@ -60,8 +60,11 @@ _ABORT = struct.Struct("<2s2xI")
 _ABORT_MAGIC = b"GX"
 _NO_RANK = 0xFFFFFFFF
 # Header bytes compared by the deferred checks: those Codec.check_header compares (magic, codec
-# id, version, key, numel, step: bytes 0-23; fingerprint: 32-35), not lr (24-31) nor flags (36-39).
-_CHECKED = [(0, 24), (32, 36)]
+# id, version, key, numel, step: bytes 0-23; fingerprint: 32-35), and the flags (36-39, 0 in
+# every payload a codec writes), where a sender marks a push whose input it rejected
+# (:func:`mark_rejected`); not lr (24-31).
+_CHECKED = [(0, 24), (32, 40)]
+_FLAGS = 36
 
 
 def shard_bounds(numel: int, world: int) -> list[tuple[int, int]]:
@@ -209,6 +212,40 @@ class BucketExchange:
                 f"{bucket_key(self.index, shard, c.world)}, step {self.step})")
 
 
+def mark_rejected(payload: torch.Tensor, finite: torch.Tensor) -> None:
+    """Set the header's first flags byte of the device ``payload`` when the 0-d bool device
+    flag ``finite`` (the codec's ``last_finite``) is False, with no host read.
+
+    A compress into a device payload does not raise for non-finite input (``nan_policy=
+    "raise"``); it rolls the codec state back and leaves the verdict on the device. The payload
+    still goes out, and some decode finite all the same (randomk without the bad positions,
+    topk with fp16 values clamping inf), so the owner's sum check alone would let a rejected
+    input through. The marked flags fail the owner's deferred header check, which names this
+    sender in its abort record."""
+    payload[_FLAGS:_FLAGS + 1].copy_(torch.logical_not(finite).reshape(1))
+
+
+def _check_marked(p: torch.Tensor, who: str, key: int, label: str) -> None:
+    """Raise when ``who`` marked its push as rejected (:func:`mark_rejected`)."""
+    if int(p[_FLAGS]) != 0:
+        raise PayloadError(f"{label}: push from {who} rejected: the sender's input has "
+                           f"non-finite values (NaN/inf)", key=key, peer=who, stage="push")
+
+
+def _check_pushes_marked(ex: BucketExchange, pushes: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise for the first push in rank order that is marked rejected or has a bad header
+    (the order of the deferred checks, which treat both as a header mismatch); a push with a
+    bad header before any marked one is left to ``reduce_pushes``, which names it the same."""
+    c = ex.codecs
+    key, label = bucket_key(ex.index, c.rank, c.world), ex.label(c.rank)
+    for who, p in pushes:
+        try:
+            c.server.check_header(p, key=key, step=ex.step, sender=who)
+        except ValueError:
+            return
+        _check_marked(p, who, key, label)
+
+
 def reduce_shard(ex: BucketExchange, lr: float | None) -> None:
     """Step 4: the server side of this rank's shard, :func:`~gradpress.ps.server.reduce_pushes`
     (validate and decode-add every rank's push in rank order, average, recompress into ``agg``).
@@ -220,6 +257,7 @@ def reduce_shard(ex: BucketExchange, lr: float | None) -> None:
     senders = [f"rank {src}" for src in range(c.world)]
     pushes = [(who, c.payload(c.recv, src, c.rank)) for src, who in enumerate(senders)]
     try:
+        _check_pushes_marked(ex, pushes)
         reduce_pushes(pushes, c.server, c.server, c.acc, key=bucket_key(ex.index, c.rank, c.world),
                       step=ex.step, lr=lr, divisor=c.world, label=ex.label(c.rank),
                       out=c.agg[:c.server.payload_bytes])
@@ -374,6 +412,7 @@ def raise_failed(job: BucketExchange) -> None:
     for who, p in zip(senders, pushes):
         add_push(c.server, p, scratch, key=key, step=job.step, sender=who,
                  label=job.label(c.rank))
+        _check_marked(p, who, key, job.label(c.rank))
     check_sum(scratch, c.server, pushes, senders, key=key, label=job.label(c.rank))
     for s, (lo, hi) in enumerate(c.bounds):
         p = c.payload(c.gathered, s, s)

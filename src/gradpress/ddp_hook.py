@@ -32,6 +32,7 @@ from ._ddp_buckets import (
     bucket_key,
     finish,
     finish_deferred,
+    mark_rejected,
     raise_failed,
     reduce_shard,
     reduce_shard_deferred,
@@ -271,8 +272,11 @@ class TwoWayCompressionState:
         self._steps[index] = step + 1
         # 1.+2. shard s of the flat buffer -> worker codec s (its residual) -> send slot s
         for s, (lo, hi) in enumerate(codecs.bounds):
+            out = codecs.payload(codecs.send, s, s)
             codecs.workers[s].compress(buf[lo:hi], key=bucket_key(index, s, world), step=step,
-                                       lr=self.lr, out=codecs.payload(codecs.send, s, s))
+                                       lr=self.lr, out=out)
+            if codecs.workers[s].last_finite is not None:  # a device payload: no raise above
+                mark_rejected(out, codecs.workers[s].last_finite)
         # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
         work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
         deferred = self._defer if self._defer is not None else buf.device.type == "cuda"
