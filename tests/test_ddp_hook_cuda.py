@@ -171,6 +171,50 @@ def test_cuda_nccl_deferred_failure_raises_next_iteration(tmp_path):
         corrupt_reply_fails_late(torch.device("cuda", 0), None)
 
 
+def rejected_input_fails(device: torch.device, defer: bool | None) -> None:
+    """A worker codec whose compress into a device payload rejected its input (``last_finite``
+    False; faked here on the CPU, where a compress raises instead) marks its push: the owner
+    rejects it naming the sender, and the bucket is zeroed (at once, or one iteration late with
+    the deferred checks); randomk, whose payload decodes finite whatever the input was."""
+    from gradpress.ps.errors import PayloadError
+    spec, n = "randomk:k=0.01", 1000
+    state = TwoWayCompressionState(spec, "sparse", min_compress_bytes=0)
+    state._defer = defer
+    deferred = defer if defer is not None else device.type == "cuda"
+    bucket = Bucket(torch.randn(n, device=device))
+    assert two_way_compression_hook(state, bucket).wait().abs().sum() > 0  # step 0: honest
+    worker = state._buckets[0].workers[0]
+    compress = worker.compress
+
+    def rejecting(*args, **kwargs):
+        out = compress(*args, **kwargs)
+        worker.last_finite = torch.zeros((), dtype=torch.bool, device=device)
+        return out
+
+    worker.compress = rejecting
+    match = r"bucket 0 shard 0 \(key 0, step 1\).*push from rank 0 rejected.*non-finite"
+    with pytest.raises(PayloadError, match=match) if not deferred else contextlib.nullcontext():
+        result = two_way_compression_hook(state, bucket).wait()  # step 1
+    if deferred:
+        assert result is bucket.buf and bool((result == 0).all()), "the bucket was not zeroed"
+        with pytest.raises(PayloadError, match="rank 0.*rejected"):
+            two_way_compression_hook(state, bucket)  # step 2: the error of step 1
+    assert bool((bucket.buf == 0).all())
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_world_of_one_gloo_cpu_rejected_input_is_rejected_by_the_owner(tmp_path, defer):
+    with world_of_one("gloo", tmp_path):
+        rejected_input_fails(torch.device("cpu"), defer)
+
+
+@needs_cuda
+def test_cuda_nccl_rejected_input_is_rejected_by_the_owner(tmp_path):
+    torch.cuda.set_device(0)
+    with world_of_one("nccl", tmp_path):
+        rejected_input_fails(torch.device("cuda", 0), None)
+
+
 # -- synchronisations per bucket ------------------------------------------------------------------
 def count_syncs(fn) -> int:
     """Warnings of ``set_sync_debug_mode("warn")`` during ``fn()``: one per synchronizing call
