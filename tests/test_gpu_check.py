@@ -120,7 +120,7 @@ def test_gpu_tests_verdict(counts: dict[str, int], cuda: bool, status: str) -> N
     assert gc.cuda_tests_verdict(full, cuda)[0] == status
 
 
-def test_gpu_tests_verdict_fails_a_cuda_skip_on_a_gpu() -> None:
+def test_gpu_tests_verdict_fails_a_skip_for_want_of_the_device() -> None:
     counts = {"passed": 5, "failed": 0, "skipped": 1, "errors": 0, "deselected": 0}
     out = "SKIPPED [1] tests/test_x.py:3: needs 2 GPUs\n5 passed, 1 skipped in 1.0s\n"
     assert gc.cuda_tests_verdict(counts, True, out)[0] == "pass"
