@@ -439,8 +439,8 @@ def test_cuda_chunk_branches_order_their_stream_work(monkeypatch, device_mode: b
         def wait_event(self, event: object) -> None:
             log.append(("stream waits", event))
 
-        def record_event(self) -> Ev:
-            log.append("event")
+        def record_event(self, event: object = None) -> Ev:
+            log.append("event" if event is None else "blocking event")
             return Ev(len(log))
 
     @contextlib.contextmanager
@@ -450,6 +450,7 @@ def test_cuda_chunk_branches_order_their_stream_work(monkeypatch, device_mode: b
         log.append("exit")
 
     monkeypatch.setattr(calls, "on_stream", on_stream)
+    monkeypatch.setattr(calls, "blocking_event", lambda: "blocking")
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda self, s: log.append(("record_stream", self.data_ptr())))
     n = 10
@@ -460,7 +461,7 @@ def test_cuda_chunk_branches_order_their_stream_work(monkeypatch, device_mode: b
     job = calls.ChunkJob(chunk, x, out, None, None, Stream(0), "ready", step=3, send=send)
     calls.compress_chunk(job, device_mode)
     pushed = ["enter", ("stream waits", "ready"), ("record_stream", x.data_ptr())]
-    assert log == (pushed + ["exit"] if device_mode else pushed + ["event", "exit",
+    assert log == (pushed + ["exit"] if device_mode else pushed + ["blocking event", "exit",
                                                                    ("host waits", 4)]), log
     log.clear()
     job.recv = send.clone()  # "none": the reply of one worker is its own push

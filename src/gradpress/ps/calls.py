@@ -304,6 +304,13 @@ class ChunkJob:
     t_sent: float = 0.0
 
 
+def blocking_event() -> Any:
+    """A CUDA event whose ``synchronize`` puts the waiting thread to sleep
+    (``cudaEventBlockingSync``) instead of spinning: the pool thread waiting for its chunk's copy
+    leaves the core to the compression of other chunks (torch/cuda/streams.py: ``Event``)."""
+    return torch.cuda.Event(blocking=True)
+
+
 # -- a chunk's two device crossings (ps/worker.py's module docstring: the stream model) ---------
 def compress_chunk(job: ChunkJob, device_mode: bool) -> None:
     """Step 2: compress ``job.x`` into ``job.send`` (on the host, or where it lives when
@@ -323,7 +330,7 @@ def compress_chunk(job: ChunkJob, device_mode: bool) -> None:
         host = host_buffer(x)
         host.copy_(x, non_blocking=True)
         x.record_stream(job.stream)  # the caller may free x before the copy ran
-        copied = job.stream.record_event()
+        copied = job.stream.record_event(blocking_event())
     copied.synchronize()  # the one host synchronisation of this chunk on the way out
     chunk.enc.compress(host, out=send, **kw)
 
