@@ -27,14 +27,16 @@ import torch.distributed as dist
 from ._ddp_buckets import (
     BucketCodecs,
     BucketExchange,
-    DeviceCheck,
     all_gather_async,
     bucket_key,
     finish,
+    reduce_shard,
+)
+from ._ddp_checks import (
+    DeviceCheck,
     finish_deferred,
     mark_rejected,
     raise_failed,
-    reduce_shard,
     reduce_shard_deferred,
 )
 from .compress import Codec, EFSpec, build
