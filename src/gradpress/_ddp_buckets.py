@@ -20,15 +20,16 @@ A rejected bucket's buffer is zeroed on every rank that raises: nothing of it re
 Deferred checks (the default for CUDA buckets; ``TwoWayCompressionState._defer`` selects them on
 any device). The checks above read headers and finiteness flags on the host, and each read waits
 for the device (a ``cudaStreamSynchronize``) on the autograd thread, once per bucket and payload,
-which serialises backward with the exchange. The deferred paths (:func:`reduce_shard_deferred`,
-:func:`finish_deferred`) run the same checks as device ops with no host read: headers are
-compared byte for byte with the expected ones (copied in from pinned memory without blocking),
-and header validity, abort records and finiteness fold into one flag per bucket. A failed
+which serialises backward with the exchange. The deferred paths (``reduce_shard_deferred`` and
+``finish_deferred`` in :mod:`gradpress._ddp_checks`) run the same checks as device ops with no
+host read: headers are compared byte for byte with the expected ones (copied in from pinned
+memory without blocking), and header validity, abort records and finiteness fold into one flag
+per bucket. A failed
 bucket is zeroed on the device (``masked_fill_``) and handed to DDP as zeros; the owner of a
 shard with a bad push sends an abort record built on the device. The flag reaches the host
-through a non-blocking copy and an event (:class:`DeviceCheck`); the hook reads it at its first
+through a non-blocking copy and an event (``DeviceCheck``); the hook reads it at its first
 call of the next iteration (the same point on every rank), where a failed flag raises the same
-:class:`~gradpress.ps.errors.PayloadError` as the immediate checks: :func:`raise_failed` re-runs
+:class:`~gradpress.ps.errors.PayloadError` as the immediate checks: ``raise_failed`` re-runs
 them on the bucket's buffers, still intact then. So an error is raised one step late, after one
 optimizer step that saw the bucket as zeros.
 """
@@ -61,7 +62,7 @@ _NO_RANK = 0xFFFFFFFF
 # Header bytes compared by the deferred checks: those Codec.check_header compares (magic, codec
 # id, version, key, numel, step: bytes 0-23; fingerprint: 32-35), and the flags (36-39, 0 in
 # every payload a codec writes), where a sender marks a push whose input it rejected
-# (:func:`mark_rejected`); not lr (24-31).
+# (``_ddp_checks.mark_rejected``); not lr (24-31).
 _CHECKED = [(0, 24), (32, 40)]
 _FLAGS = 36
 
@@ -212,7 +213,7 @@ class BucketExchange:
 
 
 def _check_marked(p: torch.Tensor, who: str, key: int, label: str) -> None:
-    """Raise when ``who`` marked its push as rejected (:func:`mark_rejected`)."""
+    """Raise when ``who`` marked its push as rejected (``_ddp_checks.mark_rejected``)."""
     if int(p[_FLAGS]) != 0:
         raise PayloadError(f"{label}: push from {who} rejected: the sender's input has "
                            f"non-finite values (NaN/inf)", key=key, peer=who, stage="push")
