@@ -20,8 +20,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["all_finite", "p_all_finite", "max_abs_ef", "f32_bits", "bits_f32", "ef_p", "ef_args",
-           "fill_p", "MODE_P", "MODE_ADD", "MODE_SCALED"]
+__all__ = ["fold", "all_finite", "p_all_finite", "max_abs_ef", "f32_bits", "bits_f32", "ef_p",
+           "ef_args", "fill_p", "MODE_P", "MODE_ADD", "MODE_SCALED"]
 
 _EXP = np.uint32(0x7F800000)
 MODE_P, MODE_ADD, MODE_SCALED = 0, 1, 2
@@ -115,3 +115,15 @@ def fill_p(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, out: np.ndarr
     else:
         for i in range(g.shape[0]):
             out[i] = ef_p(g, e, r, mode, i)
+
+
+@numba.njit(cache=True, nogil=True)
+def fold(acc: np.ndarray, w: int) -> float:
+    """The fixed summation order of the onebit and dithering reductions (their torch paths
+    reproduce it): a halving tree over acc[:w], w a power of two (acc[j] += acc[j + w/2], ...,
+    the sum in acc[0])."""
+    while w > 1:
+        w //= 2
+        for j in range(w):
+            acc[j] += acc[j + w]
+    return acc[0]

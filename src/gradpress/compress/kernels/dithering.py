@@ -38,7 +38,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .common import MODE_P, ef_p, f32_bits, fill_p, max_abs_ef  # max_abs_ef: re-exported
+from .common import MODE_P, ef_p, f32_bits, fill_p, fold, max_abs_ef  # max_abs_ef: re-exported
 
 __all__ = ["BLOCK", "LANES", "ROWS", "hash32", "hash32_np", "max_abs_bits", "sumsq",
            "encode_linear", "encode_natural", "decode", "decode_add", "sumsq_ef",
@@ -97,16 +97,6 @@ def max_abs_bits(xb: np.ndarray) -> np.uint32:
 
 
 @numba.njit(cache=True, nogil=True)
-def _fold(acc: np.ndarray, w: int) -> float:
-    """Halving tree over acc[:w] (w a power of two): acc[j] += acc[j + w/2], ... -> acc[0]."""
-    while w > 1:
-        w //= 2
-        for j in range(w):
-            acc[j] += acc[j + w]
-    return acc[0]
-
-
-@numba.njit(cache=True, nogil=True)
 def sumsq_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
     """float64 sum of p**2 (``p`` = :func:`.common.ef_p` of ``g, e, r, mode``) in a fixed order
     that a parallel reduction reproduces (:func:`gradpress.compress.dithering.sumsq_torch`),
@@ -135,8 +125,8 @@ def sumsq_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
             for i in range(lo, n):
                 v = np.float64(ef_p(g, e, r, mode, i))
                 acc[(i - lo) % LANES] += v * v
-        sums[b] = _fold(acc, LANES)
-    return _fold(sums, q)
+        sums[b] = fold(acc, LANES)
+    return fold(sums, q)
 
 
 @numba.njit(cache=True, nogil=True)

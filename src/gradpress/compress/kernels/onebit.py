@@ -40,7 +40,7 @@ import numba
 import numpy as np
 import torch
 
-from .common import MODE_P, bits_f32, ef_p, f32_bits
+from .common import MODE_P, bits_f32, ef_p, f32_bits, fold
 
 __all__ = ["LANES", "ROWS", "BLOCK", "encode", "encode_ef", "residual_ef", "decode", "decode_add",
            "abs_sum_torch", "read_scale"]
@@ -55,16 +55,6 @@ _SIGN = np.uint32(0x80000000)
 # t * _GATHER holds sum_j s_j 2**(56+j) in its top byte: the partial products are distinct powers
 # of two, so nothing carries. A vectorizable multiply-shift instead of 8 shifts and ORs.
 _GATHER = np.uint64(0x0102040810204080)
-
-
-@numba.njit(cache=True, nogil=True)
-def _fold(acc: np.ndarray, w: int) -> float:
-    """Halving tree over acc[:w] (w a power of two): acc[j] += acc[j + w/2], ... -> acc[0]."""
-    while w > 1:
-        w //= 2
-        for j in range(w):
-            acc[j] += acc[j + w]
-    return acc[0]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -98,7 +88,7 @@ def _tail_block(g, e, r, mode, body, first, acc, signs, s64):  # type: ignore[no
             signs[j] = np.uint8(f32_bits(v) >> _U(31))
         for k in range((c + 7) // 8):
             body[base // 8 + k] = np.uint8((s64[k] * _GATHER) >> np.uint64(56))
-    return _fold(acc, LANES)
+    return fold(acc, LANES)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -131,11 +121,11 @@ def encode_ef(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, body: np.n
             for k in range(LANES // 8):
                 body[row * (LANES // 8) + k] = np.uint8((s64[k] * _GATHER) >> np.uint64(56))
         # 2. fold the lanes into the block sum
-        sums[b] = _fold(acc, LANES)
+        sums[b] = fold(acc, LANES)
     if nfull < nblk:
         sums[nfull] = _tail_block(g, e, r, mode, body, nfull * BLOCK, acc, signs, s64)
     # 3. fold the block sums (zero-padded to q); 4. the scale after the bits
-    total = _fold(sums, q)
+    total = fold(sums, q)
     scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
     _put_scale(body, (n + 7) // 8, scale)
     return total
