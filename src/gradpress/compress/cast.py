@@ -174,7 +174,8 @@ def _require_cpu(codec: Codec, t: torch.Tensor) -> None:
 
 
 def _aligned(body: np.ndarray, dtype: type) -> np.ndarray:
-    """The uint8 ``body`` viewed as ``dtype``, copied first if it is not aligned for it."""
+    """The uint8 ``body`` viewed as ``dtype``, copied first if it is not aligned for it (read
+    only: the view may share ``body``'s memory)."""
     if body.ctypes.data % np.dtype(dtype).itemsize:
         body = body.copy()
     return body.view(dtype)

@@ -56,7 +56,7 @@ import torch
 
 from . import transfer
 from .base import Codec, register
-from .cast import _require_cpu
+from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import dithering as K
 from .kernels.common import MODE_P, ef_args
@@ -278,7 +278,7 @@ class Dithering(Codec):
     def _body_finite(self, body: np.ndarray) -> bool:
         """Finite norm, and (unless every ``b - 1``-bit level index is valid) no code naming
         a level above ``s`` (those decode to NaN): a host scan of the codes."""
-        if not math.isfinite(float(body[self.code_bytes:].copy().view(np.float32)[0])):
+        if not math.isfinite(float(_aligned(body[self.code_bytes:], np.float32)[0])):
             return False
         if 1 << (self.bits - 1) == self.s + 1:
             return True

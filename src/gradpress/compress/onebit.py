@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .base import Codec, register
-from .cast import _require_cpu
+from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import onebit as K
 from .kernels.common import MODE_P, ef_args
@@ -90,7 +90,7 @@ class OneBitCodec(Codec):
 
     def _body_finite(self, body: np.ndarray) -> bool:
         nbits = (self.numel + 7) // 8
-        return math.isfinite(float(body[nbits:nbits + 4].copy().view(np.float32)[0]))
+        return math.isfinite(float(_aligned(body[nbits:nbits + 4], np.float32)[0]))
 
     # -- error feedback (see Codec's docstring): two passes, p never stored ------------------------
     def _encode_ef(self, p: torch.Tensor, body: torch.Tensor, residual: torch.Tensor, key: int,

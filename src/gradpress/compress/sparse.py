@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from .base import Codec, register
-from .cast import _require_cpu
+from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import sparse as K
 from .kernels.common import ef_args, fill_p, p_all_finite
@@ -244,9 +244,9 @@ class TopK(_Sparse):
     def _split_host(self, body: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """The indices (int32) and values of a host body, with numba/numpy."""
         iraw, vraw = (r.numpy() for r in self._regions(body))
-        vals = vraw.copy().view(np.float16 if self._value_bytes == 2 else np.float32)
+        vals = _aligned(vraw, np.float16 if self._value_bytes == 2 else np.float32)
         if not self._packed:
-            return iraw.copy().view(np.int32), vals
+            return _aligned(iraw, np.int32), vals
         idx = np.empty(self.kk, np.int32)
         K.unpack_indices(iraw, self.index_bits, idx)
         return idx, vals
@@ -374,7 +374,7 @@ class RandomK(_Sparse):
             K.randomk_gather(x.numpy(), s0, s1, vals.numpy())
 
     def _body_finite(self, body: np.ndarray) -> bool:
-        return bool(np.isfinite(body[:4 * self.kk].copy().view(np.float32)).all())
+        return bool(np.isfinite(_aligned(body[:4 * self.kk], np.float32)).all())
 
     def _gather_clear(self, e: torch.Tensor, body: torch.Tensor, key: int, step: int) -> None:
         """Sparse error feedback on the CPU (numba): send ``e`` at the positions of
