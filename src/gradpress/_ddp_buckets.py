@@ -24,14 +24,13 @@ which serialises backward with the exchange. The deferred paths (``reduce_shard_
 ``finish_deferred`` in :mod:`gradpress._ddp_checks`) run the same checks as device ops with no
 host read: headers are compared byte for byte with the expected ones (copied in from pinned
 memory without blocking), and header validity, abort records and finiteness fold into one flag
-per bucket. A failed
-bucket is zeroed on the device (``masked_fill_``) and handed to DDP as zeros; the owner of a
-shard with a bad push sends an abort record built on the device. The flag reaches the host
-through a non-blocking copy and an event (``DeviceCheck``); the hook reads it at its first
-call of the next iteration (the same point on every rank), where a failed flag raises the same
-:class:`~gradpress.ps.errors.PayloadError` as the immediate checks: ``raise_failed`` re-runs
-them on the bucket's buffers, still intact then. So an error is raised one step late, after one
-optimizer step that saw the bucket as zeros.
+per bucket. A failed bucket is zeroed on the device (``masked_fill_``) and handed to DDP as
+zeros; the owner of a shard with a bad push sends an abort record built on the device. The
+flag reaches the host through a non-blocking copy and an event (``DeviceCheck``); the hook reads
+it at its first call of the next iteration (the same point on every rank), where a failed flag
+raises the same :class:`~gradpress.ps.errors.PayloadError` as the immediate checks:
+``raise_failed`` re-runs them on the bucket's buffers, still intact then. So an error is raised
+one step late, after one optimizer step that saw the bucket as zeros.
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CTRL_BYTES", "OP_PUSH", "OP_STOP", "OP_SAVE", "OP_LOAD", "Control", "pack_control",
            "unpack_control", "KeyDescriptor", "read_control", "require_declared", "add_push",
-           "check_sum", "decode_reply", "is_finite", "finite_flag", "request_server_op",
-           "read_request", "acknowledge", "ArrivalCounter"]
+           "check_sum", "decode_reply", "is_finite", "request_server_op", "read_request",
+           "acknowledge", "ArrivalCounter"]
 
 _FMT = struct.Struct("<B3xIqdQ")
 CTRL_BYTES = _FMT.size
@@ -163,20 +163,14 @@ class KeyDescriptor:
 def is_finite(t: torch.Tensor) -> bool:
     """Whether every element of float32 tensor ``t`` is finite (one pass, near bandwidth).
 
-    On a device this reads the answer back: a host synchronisation (device-mode callers can
-    use :func:`finite_flag` and read it together with other results)."""
+    On a device this reads the answer back: a host synchronisation (device-mode callers keep
+    ``torch.isfinite(t).all()`` on the device and read it together with other results)."""
     if t.numel() == 0:
         return True
     if t.device.type == "cpu" and t.is_contiguous():
         from ..compress.kernels.common import all_finite
         return all_finite(t.reshape(-1).numpy())
-    return bool(finite_flag(t))
-
-
-def finite_flag(t: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor on ``t``'s device, True when every element of ``t`` is finite (nothing
-    is read on the host)."""
-    return torch.isfinite(t).all()
+    return bool(torch.isfinite(t).all())
 
 
 def read_control(buf: torch.Tensor, *, sender: str, receiver: str) -> Control:
