@@ -194,8 +194,11 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=
                     enable_model_summary=False)
 trainer.fit(model, data())
 blob = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-print("RESULT", trainer.global_rank, trainer.global_step, hashlib.sha256(blob).hexdigest(),
-      strategy.compression_stats["steps"], flush=True)
+# one write of the whole line: both ranks share this stdout, and print's pieces (each argument,
+# the separators, the newline) can interleave with the other rank's when stdout is unbuffered
+sys.stdout.write(f"RESULT {{trainer.global_rank}} {{trainer.global_step}} "
+                 f"{{hashlib.sha256(blob).hexdigest()}} {{strategy.compression_stats['steps']}}\\n")
+sys.stdout.flush()
 """
 
 
