@@ -28,6 +28,12 @@ fp32 measured in the same run. Namespaces are removed afterwards, also on failur
 (``benchmarks/profile_trace.py``): the gradpress systems run with ``GRADPRESS_TRACE`` and their
 worker and server traces are aggregated over the timed steps; the other systems get the
 stages their step marks give (forward + backward, synchronisation, update).
+
+Each model of the speed part also gets a table of where the machine's CPU went during the
+timed steps (``/proc/stat`` and the workers' own CPU times, per step): on this machine every
+process of the emulated cluster (workers, servers, the kernel's network work) shares the same
+cores, so when they are busy all the time a system's time above the floor is its extra
+core-seconds divided by the cores, not the network.
 """
 
 from __future__ import annotations
@@ -217,7 +223,21 @@ def _summary(ranks: list[dict]) -> dict:
     if "gp_bytes" in ranks[0]:
         out["gp_mb"] = max(r["gp_bytes"] for r in ranks) / 1e6
         out["stage_s"] = ranks[0]["stage_s"]
+    if "cpu" in ranks[0]:
+        out["cpu"] = _cpu_split(ranks)
     return out
+
+
+def _cpu_split(ranks: list[dict]) -> dict:
+    """Core-seconds per timed step (rank 0's window for the machine-wide counters): the whole
+    machine, the workers' main threads, the workers' other threads, and everything else."""
+    m = ranks[0]["cpu"]
+    busy = m["machine_user"] + m["machine_sys"]
+    procs = sum(r["cpu"]["process_user"] + r["cpu"]["process_sys"] for r in ranks)
+    main = sum(r["cpu"]["main_thread"] for r in ranks)
+    return {"busy": busy, "busy_frac": busy / max(busy + m["machine_idle"], 1e-9),
+            "sys": m["machine_sys"], "main": main, "worker_other": procs - main,
+            "rest": busy - procs}
 
 
 # -- networks ------------------------------------------------------------------------------------
@@ -337,6 +357,22 @@ def scaling_table(res: dict) -> list[str]:
     return rows
 
 
+def cpu_table(res: dict) -> list[str]:
+    """Where the machine's CPU went during each system's timed steps: when the cores are busy
+    all the time, a system's step is longer than the floor by about (its core-seconds per step
+    minus the floor's) / cores, whatever the network."""
+    rows = ["| system | s/step | cores busy | core-s/step (of it kernel) | workers' main threads "
+            "| workers' other threads | rest (servers, network, other jobs) |",
+            "|---|---|---|---|---|---|---|"]
+    for system, r in res.items():
+        c = r.get("cpu")
+        if c is not None:
+            rows.append(f"| {LABELS[system]} | {r['median_s']:.3f} | {c['busy_frac']:.0%} "
+                        f"| {c['busy']:.3f} ({c['sys']:.3f}) | {c['main']:.3f} "
+                        f"| {c['worker_other'] + 0.0:.3f} | {c['rest'] + 0.0:.3f} |")
+    return rows
+
+
 def profile_table(res: dict) -> list[str]:
     """The ``--profile`` table of one model: a column per system, the floor first."""
     import profile_trace as pt
@@ -372,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             for model, res in results["speed"].items():
                 lines += [f"\n{model} at {args.rate} per host ({net.what}):", "",
                           *speed_table(res)]
+                lines += [f"\nCPU per step, {model} (core-seconds, {os.cpu_count()} cores):",
+                          "", *cpu_table(res)]
                 if args.profile:
                     lines += [f"\nprofile of a step, {model} (worker 0, seconds):", "",
                               *profile_table(res)]

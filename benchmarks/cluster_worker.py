@@ -13,8 +13,9 @@ systems). Steps:
 4. write seconds, the ``perf_counter`` marks of each timed step (start, end of backward, end
    of the gradient synchronisation, end; see ``benchmarks/profile_trace.py``), the host
    interface's byte counters over the timed steps (``/proc/net/dev`` of this process's
-   network namespace) and, for gradpress, ``gp.stats()`` deltas to
-   ``<out_dir>/<name>.rank<r>.json``.
+   network namespace), the CPU time over the timed steps (:func:`cpu_counters`: the whole
+   machine's, this process's and its main thread's) and, for gradpress, ``gp.stats()`` deltas
+   to ``<out_dir>/<name>.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-ddp-hook")
 GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk")
 GP_SPECS = {"gp-none": ("none", None), "gp-onebit": ("onebit", "vanilla"),
             "gp-topk": ("topk:k=0.001,values=fp16", "vanilla")}
+
+
+def cpu_counters() -> dict[str, float]:
+    """CPU seconds so far: the machine's user/system/idle (``/proc/stat``, all cores, every
+    process: also the servers, the kernel's network work and other jobs), this process's
+    user/system (all its threads) and its main thread's (the training loop)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    t = os.times()
+    return {"machine_user": (v[0] + v[1]) / tick, "machine_sys": (v[2] + v[5] + v[6]) / tick,
+            "machine_idle": (v[3] + v[4]) / tick, "process_user": t.user,
+            "process_sys": t.system, "main_thread": time.thread_time(), "wall": time.time()}
 
 
 def iface_bytes(device: str) -> int:
@@ -117,17 +131,20 @@ def run(cfg: dict) -> dict:
     else:
         net, barrier = _ddp(cfg, model)
     data = make_batch(cfg["model"], cfg["batch"], seed=1 + rank)
-    seconds, marks, net0, st0 = [], [], 0, {}
+    seconds, marks, net0, st0, cpu0 = [], [], 0, {}, {}
     for i in range(cfg["warmup"] + cfg["steps"]):
         if i == cfg["warmup"]:  # step 3: timed steps start together
             barrier()
             net0 = iface_bytes(cfg["device"])
             st0 = _gp_stats() if gp_system else {}
+            cpu0 = cpu_counters()
         mark = _step(opt, net, cfg["model"], data, gp_system)
         seconds.append(mark[-1] - mark[0])
         marks.append(mark)
+    cpu1 = cpu_counters()
     res = {"seconds": seconds[cfg["warmup"]:], "marks": marks[cfg["warmup"]:],
-           "iface_bytes": (iface_bytes(cfg["device"]) - net0) / cfg["steps"]}
+           "iface_bytes": (iface_bytes(cfg["device"]) - net0) / cfg["steps"],
+           "cpu": {k: (cpu1[k] - cpu0[k]) / cfg["steps"] for k in cpu1}}
     if gp_system:
         st1 = _gp_stats()
         res["gp_bytes"] = (st1["bytes_pushed"] + st1["bytes_pulled"]

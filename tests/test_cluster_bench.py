@@ -45,3 +45,21 @@ def test_target_rows() -> None:
     loop = {"gp-none": r, "gp-onebit": {**r, "median_s": 1.1}, "gp-topk": {**r, "median_s": 1.3}}
     rows = cluster.target_rows(speed, loop)
     assert [row.split("|")[-2].strip() for row in rows[2:]] == ["PASS", "FAIL", "PASS", "FAIL"]
+
+
+def test_cpu_split_and_table() -> None:
+    import cluster_worker
+
+    c = cluster_worker.cpu_counters()
+    assert {"machine_user", "machine_sys", "machine_idle", "process_user", "process_sys",
+            "main_thread", "wall"} <= set(c)
+    rank = {"machine_user": 0.5, "machine_sys": 0.1, "machine_idle": 0.2, "process_user": 0.2,
+            "process_sys": 0.05, "main_thread": 0.15, "wall": 0.4}
+    ranks = [{"seconds": [0.4], "iface_bytes": 0, "cpu": rank}, {"seconds": [0.5],
+                                                                 "iface_bytes": 0, "cpu": rank}]
+    s = cluster._summary(ranks)["cpu"]
+    assert s["busy"] == pytest.approx(0.6) and s["busy_frac"] == pytest.approx(0.75)
+    assert s["main"] == pytest.approx(0.3) and s["worker_other"] == pytest.approx(0.2)
+    assert s["rest"] == pytest.approx(0.1) and s["sys"] == pytest.approx(0.1)
+    rows = cluster.cpu_table({"gp-onebit": {"median_s": 0.5, "cpu": s}})
+    assert rows[2] == "| gradpress onebit | 0.500 | 75% | 0.600 (0.100) | 0.300 | 0.200 | 0.100 |"
