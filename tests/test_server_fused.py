@@ -150,6 +150,9 @@ def test_fused_path_is_taken_and_leaves_acc_alone():
     assert reduce(dec, enc, pushes, divisor=2, out=out) is out
     assert torch.equal(out, expected)
     same_state(enc, ref)
+    residual = enc.residual.clone()
+    assert enc.compress_sum([pushes[0][:-1]], dec, 1, key=KEY, step=1) is None  # not taken
+    assert torch.equal(enc.residual, residual)
     # the DDP hook's way: one error-feedback codec decodes the pushes and encodes the reply
     both = server_codec(numel, "vanilla")
     both.inner.decompress_add = boom

@@ -38,12 +38,9 @@ with :meth:`Codec._non_finite_error`) and leave the residual (``residual``, ``e`
   path. ``ratio`` is a Python float; ``g``, ``e``, ``spare`` are contiguous 1-D float32 tensors of
   ``numel`` (> 0) elements on one device.
 
-The server's fused reduce (:func:`gradpress.ps.server.reduce_pushes`) asks the reply codec
-:meth:`Codec.fuses_sum`; where it answers True (onebit pushes into a onebit reply, with or
-without vanilla/corrected error feedback, numba), :meth:`Codec.compress_sum` encodes the sum of
-the pushes, computed element by element from their bodies, in the codec's own passes
-(``_step_sum``; error feedback calls the codec's ``_encode_sum_ef(bodies, divisor, e, ratio,
-body) -> bool``, which writes ``e`` in place once ``p`` is accepted).
+The server's fused reduce (:func:`gradpress.ps.server.reduce_pushes`): where the reply codec's
+:meth:`Codec.fuses_sum` is True (onebit), :meth:`Codec.compress_sum` encodes the pushes' sum
+without storing it (``_step_sum``; error feedback: the codec's ``_encode_sum_ef``).
 """
 
 from __future__ import annotations

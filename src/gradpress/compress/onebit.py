@@ -145,8 +145,10 @@ class OneBitCodec(Codec):
         """Encode ``p = ef_p(sum_w decode(bodies[w]) / divisor, e, ratio)`` (``p = g`` when ``e``
         is None) into ``body`` and write ``e = p - decode(body)`` in place (two numba passes,
         :mod:`.kernels.onebit_sum`). Returns False, ``e`` untouched, for a non-finite ``p`` (or
-        bodies the kernels do not take: not contiguous host tensors)."""
-        if not all(b.device.type == "cpu" and b.is_contiguous() for b in bodies):
+        bodies the kernels do not take: not contiguous host tensors of the body's size)."""
+        size = self._body_bytes()
+        if not all(b.device.type == "cpu" and b.is_contiguous() and b.numel() == size
+                   for b in bodies):
             return False
         bs = tuple(b.numpy() for b in bodies)
         r, mode = (np.float32(1.0), MODE_P) if e is None else ef_args(ratio)
