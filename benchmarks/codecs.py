@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/codecs.py [--mb 64] [--only NAMES] [--reps 5] [--scaling SPEC]
-                                [--ef-mb 4,64]
+                                [--ef-mb 4,64] [--server-chunks 16]
 
 For each codec spec: compress and decompress GB/s (input float32 bytes / best time) on one
 ``--mb`` MB float32 buffer with ``out=`` buffers (the codec allocates nothing); the ratio to a
@@ -21,6 +21,11 @@ call after an untimed one, data warm) so load from other processes hits all alik
 ``p+hook`` (``p`` stored, then the one-pass ``_encode_ef``) and ``unfused`` (``p`` stored,
 encode, decode-add); the ratios to the copy, the fused speed-up over unfused, and PASS/FAIL of
 the fused path against ``EF_TARGETS``.
+
+Server line (``--server-chunks``, 0 to skip): the parameter server's reduce of a 4 MiB onebit
+chunk with 2 pushes and error feedback on the reply, fused (``Codec.compress_sum``: the sum
+computed from the pushes' bits inside onebit's two passes) and generic, per chunk and as ratios
+to a copy, out of cache (distinct buffers per chunk).
 """
 
 from __future__ import annotations
@@ -274,6 +279,46 @@ def ef_rows(sizes_mb: list[float], only: set[str], reps: int) -> int:
     return fails
 
 
+def server_row(chunks: int, reps: int) -> str:
+    """The server's reduce of one 4 MiB onebit chunk (2 onebit pushes, vanilla EF on the reply,
+    divisor 2): the fused path (``Codec.compress_sum``) and the generic one (decode-add into
+    ``acc``, divide, compress), as ratios to a copy of the chunk; out of cache: ``chunks``
+    distinct chunks (pushes, residuals, copy buffers) per round, rounds interleaved, median."""
+    from gradpress.ps.server import reduce_pushes
+    n, gen = 1 << 20, torch.Generator().manual_seed(2)
+    worker = build("onebit", n, ef="vanilla")
+    pushes = [[worker.compress(torch.randn(n, generator=gen), key=1) for _ in range(2)]
+              for _ in range(chunks)]
+    dec = build("onebit", n)
+    encs = {p: [build("onebit", n, ef="vanilla") for _ in range(chunks)]
+            for p in ("fused", "generic")}
+    for c in encs["generic"]:
+        c.fuses_sum = lambda decoder, device: False  # an instance attribute hides the method
+    acc, out = torch.empty(n), torch.empty(dec.payload_bytes, dtype=torch.uint8)
+    srcs, dsts = ([np.empty(n, np.float32) for _ in range(chunks)] for _ in range(2))
+    for a in srcs:
+        a[:] = 1.0
+
+    def reduce(path: str, k: int) -> None:
+        reduce_pushes([("a", pushes[k][0]), ("b", pushes[k][1])], dec, encs[path][k], acc,
+                      key=1, step=0, lr=None, divisor=2, label="bench", out=out)
+
+    fns = {"copy": lambda k: np.copyto(dsts[k], srcs[k]),
+           "fused": lambda k: reduce("fused", k), "generic": lambda k: reduce("generic", k)}
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(reps + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for k in range(chunks):
+                fn(k)
+            if r:  # the first round warms up (compiles, faults the pages in)
+                ts[name].append((time.perf_counter() - t0) / chunks)
+    cp, fu, ge = (float(np.median(ts[k])) for k in ("copy", "fused", "generic"))
+    return (f"server reduce, 2 onebit pushes + EF, per 4 MiB chunk ({chunks} distinct, median "
+            f"of {reps}): copy {cp * 1e3:.3f} ms; fused {fu * 1e3:.3f} ms ({fu / cp:.2f} "
+            f"copies); generic {ge * 1e3:.3f} ms ({ge / cp:.2f} copies); {ge / fu:.2f}x")
+
+
 def two_thread_ratio(job: Callable[[int], object], reps: int) -> tuple[float, float, float]:
     """(one-thread time for jobs 0 and 1 in turn, two-thread time, ratio) of ``job``."""
     with ThreadPoolExecutor(2) as pool:
@@ -333,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="spec for the two-thread line (falls back to the first registered)")
     ap.add_argument("--ef-mb", default="4,64",
                     help="buffer sizes (MB, comma-separated) of the error-feedback rows; '' skips")
+    ap.add_argument("--server-chunks", type=int, default=16,
+                    help="distinct 4 MiB chunks of the server-reduce line (0 skips it)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     numba.set_num_threads(1)  # in case a kernel uses prange
@@ -358,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
          if s.partition(":")[0] in registered)
     line = scaling(scal, x, max(args.reps, 5))
     print(line)
+    if args.server_chunks:
+        print(server_row(args.server_chunks, max(args.reps, 5)), flush=True)
     ef_sizes = [float(v) for v in args.ef_mb.split(",") if v.strip()]
     fails += ef_rows(ef_sizes, only, max(args.reps, 5) * 4)
     return 1 if fails or "FAIL" in line else 0

@@ -37,6 +37,10 @@ with :meth:`Codec._non_finite_error`) and leave the residual (``residual``, ``e`
   ``body`` are scratch until the hook returns), to fall back to ``_encode_ef`` or the unfused
   path. ``ratio`` is a Python float; ``g``, ``e``, ``spare`` are contiguous 1-D float32 tensors of
   ``numel`` (> 0) elements on one device.
+
+The server's fused reduce (:func:`gradpress.ps.server.reduce_pushes`): where the reply codec's
+:meth:`Codec.fuses_sum` is True (onebit), :meth:`Codec.compress_sum` encodes the pushes' sum
+without storing it (``_step_sum``; error feedback: the codec's ``_encode_sum_ef``).
 """
 
 from __future__ import annotations
@@ -198,6 +202,35 @@ class Codec(abc.ABC):
         """Install the state :meth:`_step` prepared: unconditionally for None (the input was
         accepted, or not checked), else only where the device flag ``flag`` is True."""
         return None  # stateless
+
+    # -- the server's fused reduce (optional; see the module docstring) --------------------------
+    def fuses_sum(self, decoder: Codec, device: torch.device) -> bool:
+        """Whether :meth:`compress_sum` takes payloads of ``decoder`` summed on ``device``."""
+        return False
+
+    def compress_sum(self, payloads: list[torch.Tensor], decoder: Codec, divisor: int, *,
+                     key: int, step: int, lr: float | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``compress(sum_w decoder.decompress(payloads[w]) / divisor)`` (float32, added in
+        the order given from +0.0, then divided unless ``divisor`` is 1), bit for bit, without
+        storing the sum; only where :meth:`fuses_sum` (headers already validated). Returns None,
+        state untouched and ``out`` scratch, for a non-finite sum (or payloads not taken): the
+        caller then runs the generic path, which raises the error."""
+        payload = self._out_payload(out, torch.device("cpu"))
+        h = Header(self.codec_id, int(key), self.numel, int(step), lr, self.fingerprint)
+        raw = header_bytes(h)  # a bad key raises before anything is encoded
+        self.last_finite = None
+        if not self._step_sum([p[HEADER_BYTES:] for p in payloads], divisor,
+                              payload[HEADER_BYTES:], h):
+            return None
+        transfer.bytes_to(payload[:HEADER_BYTES], raw)
+        self._commit(None)
+        return payload
+
+    def _step_sum(self, bodies: list[torch.Tensor], divisor: int, body: torch.Tensor,
+                  h: Header) -> bool:
+        """:meth:`_step` of :meth:`compress_sum`: False (nothing changed) to decline."""
+        return False
 
     def decompress(self, payload: torch.Tensor, *, out: torch.Tensor | None = None,
                    key: int | None = None, step: int | None = None) -> torch.Tensor:

@@ -135,6 +135,29 @@ class ErrorFeedback(CodecWrapper):
             return self._compress_sparse(flat, body, h)
         return self._compress_dense(flat, body, h, ratio)
 
+    def fuses_sum(self, decoder: Codec, device: torch.device) -> bool:
+        """Dense kinds without ``anneal``, where the codec has ``_encode_sum_ef`` for these."""
+        return (self.kind != "sparse" and not self.anneal
+                and callable(getattr(self.inner, "_encode_sum_ef", None))
+                and self.inner.fuses_sum(decoder, device))
+
+    def compress_sum(self, payloads: list[torch.Tensor], decoder: Codec, divisor: int, *,
+                     key: int, step: int, lr: float | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`Codec.compress_sum` plus the residual, as :meth:`compress` adds it."""
+        self._check_lr(lr)
+        return super().compress_sum(payloads, decoder, divisor, key=key, step=step, lr=lr,
+                                    out=out)
+
+    def _step_sum(self, bodies: list[torch.Tensor], divisor: int, body: torch.Tensor,
+                  h: Header) -> bool:
+        ratio = self._lr_ratio(h.lr)  # no side effect: no anneal here
+        self._ensure_buffers(body.device)
+        if not self.inner._encode_sum_ef(bodies, divisor, self._e, ratio, body):
+            return False  # rejected: the residual is untouched
+        self._pending, self._pending_lr = None, h.lr  # _commit: lr_prev, e written in place
+        return True
+
     def _commit(self, flag: torch.Tensor | None) -> None:
         """Install the new residual (where ``flag`` holds, for a device flag) and lr_prev."""
         pending, self._pending = self._pending, None

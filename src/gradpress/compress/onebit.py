@@ -15,7 +15,9 @@ Schemes", alg. 1: ``C(x) = (||x||_1 / d) * sign(x)``; BytePS's ``onebit`` with `
 Payload body: ``ceil(numel / 8)`` bytes of bits, then the little-endian float32 scale. The CPU
 path is one fused numba pass (bits + float64 |x| sum + non-finite check); torch ops (for GPU
 tensors or ``backend="torch"``) produce identical bytes. Error feedback on CPU takes two passes
-with ``p = x + e`` never stored (``_encode_ef_fused``, see :mod:`.kernels.onebit`).
+with ``p = x + e`` never stored (``_encode_ef_fused``, see :mod:`.kernels.onebit`). A server
+reducing onebit pushes into a onebit reply (``Codec.compress_sum``) computes each element of
+the pushes' sum from their bits inside the same two passes (:mod:`.kernels.onebit_sum`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,15 @@ from .base import Codec, register
 from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import onebit as K
+from .kernels import onebit_sum as KS
 from .kernels.common import MODE_P, ef_args
 from .spec import Param, parse_bool
+from .wrapper import CodecWrapper
 
 __all__ = ["OneBitCodec"]
 
 _CANONICAL_NAN = float("nan")  # float32 0x7FC00000
+_NO_E = np.empty(0, np.float32)  # the residual argument of the kernels without error feedback
 
 
 @register
@@ -121,6 +126,41 @@ class OneBitCodec(Codec):
             raise self._non_finite_error(key)
         inplace = res is None
         K.residual_ef(g, e, r, mode, b, np.float32(-1.0), e if inplace else res, inplace)
+
+    # -- the server's fused reduce (Codec.compress_sum): the sum of onebit pushes never stored ----
+    def fuses_sum(self, decoder: Codec, device: torch.device) -> bool:
+        inner = decoder
+        while isinstance(inner, CodecWrapper):  # decoding is the wrapped codec's
+            inner = inner.inner
+        return (device.type == "cpu" and self.numel > 0 and self.nan_policy == "raise"
+                and isinstance(inner, OneBitCodec) and inner.numel == self.numel
+                and not self.use_torch(device) and not inner.use_torch(device))
+
+    def _step_sum(self, bodies: list[torch.Tensor], divisor: int, body: torch.Tensor,
+                  h: Header) -> bool:
+        return self._encode_sum_ef(bodies, divisor, None, 1.0, body)
+
+    def _encode_sum_ef(self, bodies: list[torch.Tensor], divisor: int, e: torch.Tensor | None,
+                       ratio: float, body: torch.Tensor) -> bool:
+        """Encode ``p = ef_p(sum_w decode(bodies[w]) / divisor, e, ratio)`` (``p = g`` when ``e``
+        is None) into ``body`` and write ``e = p - decode(body)`` in place (two numba passes,
+        :mod:`.kernels.onebit_sum`). Returns False, ``e`` untouched, for a non-finite ``p`` (or
+        bodies the kernels do not take: not contiguous host tensors of the body's size)."""
+        size = self._body_bytes()
+        if not all(b.device.type == "cpu" and b.is_contiguous() and b.numel() == size
+                   for b in bodies):
+            return False
+        bs = tuple(b.numpy() for b in bodies)
+        r, mode = (np.float32(1.0), MODE_P) if e is None else ef_args(ratio)
+        ea = _NO_E if e is None else e.numpy()
+        b = body.numpy()
+        total = KS.encode_sum_ef(bs, self.numel, int(divisor), ea, r, mode, b,
+                                 bool(self.params["scaling"]))
+        if not math.isfinite(total):
+            return False  # the generic path names the culprit
+        if e is not None:
+            KS.residual_sum_ef(bs, self.numel, int(divisor), ea, r, mode, b)
+        return True
 
     # -- decode -----------------------------------------------------------------------------------
     def _decode(self, body: torch.Tensor, out: torch.Tensor, h: Header) -> None:

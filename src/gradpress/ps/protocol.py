@@ -196,12 +196,14 @@ def require_declared(store: dist.Store, key: int, *, sender: str, receiver: str)
                            stage="control")
 
 
-def add_push(codec: Codec, payload: torch.Tensor, acc: torch.Tensor, *, key: int, step: int,
-             sender: str, label: str) -> None:
-    """Validate ``sender``'s push of ``key`` at ``step`` and add its values to ``acc`` (step 2)."""
+def add_push(codec: Codec, payload: torch.Tensor, acc: torch.Tensor | None, *, key: int,
+             step: int, sender: str, label: str) -> None:
+    """Validate ``sender``'s push of ``key`` at ``step`` and add its values to ``acc`` (step 2;
+    ``acc`` None: validate only)."""
     try:
         codec.check_header(payload, key=key, step=step, sender=sender)
-        codec.decompress_add(payload, acc)
+        if acc is not None:
+            codec.decompress_add(payload, acc)
     except ValueError as e:
         raise PayloadError(f"{label}: push from {sender} rejected: {e}", key=key, peer=sender,
                            stage="push") from e

@@ -79,12 +79,20 @@ def reduce_pushes(pushes: Iterable[tuple[str, torch.Tensor]], decoder: Codec, en
     2. ``acc /= divisor`` (the number of workers when averaging, 1 for the plain sum);
     3. ``encoder.compress(acc, key, step, lr, out)``: the encoder carries the server residual.
 
+    Fused path: where ``encoder.fuses_sum(decoder, acc.device)`` (onebit pushes into a onebit
+    reply, with or without dense error feedback, numba on the CPU), every push is validated
+    (step 1's checks, same order) as it arrives, then ``encoder.compress_sum`` runs steps 1-3
+    in the codec's own passes, each element of the sum computed from the pushes' bodies with
+    the same float32 operations in the same order, never stored (``acc`` is not used): the
+    same reply bytes and residual. A non-finite sum falls back to steps 1-3 as above, which
+    raise the error.
+
     Args:
         pushes: ``(sender, payload)`` pairs in rank order; may be a generator that waits for
             each payload as it is asked for it.
         decoder: the codec of the pushes (its header checks and decoders are used).
         encoder: the codec of the reply, usually with the server's error feedback.
-        acc: float32 accumulator of ``decoder.numel`` elements (overwritten).
+        acc: float32 scratch of ``decoder.numel`` elements (contents afterwards unspecified).
         key, step, lr: the round's key and step (checked in every push) and learning rate
             (carried in the reply).
         divisor: what the sum is divided by (>= 1).
@@ -95,6 +103,16 @@ def reduce_pushes(pushes: Iterable[tuple[str, torch.Tensor]], decoder: Codec, en
     validation, or the first sender whose push makes the sum non-finite; the encoder's state is
     then untouched.
     """
+    if encoder.fuses_sum(decoder, acc.device) and (out is None or out.device.type == "cpu"):
+        arrived: list[tuple[str, torch.Tensor]] = []
+        for sender, payload in pushes:  # step 1's checks, in rank order, as pushes arrive
+            add_push(decoder, payload, None, key=key, step=step, sender=sender, label=label)
+            arrived.append((sender, payload))
+        reply = encoder.compress_sum([p for _, p in arrived], decoder, divisor, key=key,
+                                     step=step, lr=lr, out=out)
+        if reply is not None:
+            return reply
+        pushes = arrived
     acc.zero_()
     seen: list[tuple[str, torch.Tensor]] = []
     for sender, payload in pushes:
