@@ -471,3 +471,57 @@ def test_cuda_chunk_branches_order_their_stream_work(monkeypatch, device_mode: b
     assert isinstance(done, Ev) and done.n == 3, "the result's event goes to the handle"
     assert torch.equal(out, x)
     assert len(keeper) == (0 if device_mode else 1), "host mode holds the pinned buffer"
+
+
+def test_call_options_are_parsed_once_per_distinct_options(monkeypatch) -> None:
+    """The optimizer passes the same options for every tensor of every step: they are parsed
+    and validated once (dict specs, unhashable, every time), and a cached entry still rejects
+    what it rejected the first time."""
+    from gradpress.ps import worker as W
+    from gradpress.ps.config import PSConfig
+
+    eng = object.__new__(W.WorkerEngine)  # only cfg and the two caches are used here
+    eng.cfg, eng._resolved, eng._valid_specs = PSConfig(), {}, set()
+    seen: list[object] = []
+    real = W.resolve_codec
+    monkeypatch.setattr(W, "resolve_codec", lambda c, e, cfg: seen.append(c) or real(c, e, cfg))
+    for _ in range(3):
+        eng.check_call("t", "onebit", "vanilla")
+    assert seen == ["onebit"]
+    for _ in range(2):
+        eng.check_call("t", {"compressor": "onebit"}, None)
+    assert len(seen) == 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="needs the step's learning rate"):
+            eng.check_call("t", "onebit", "corrected")
+        with pytest.raises(ValueError, match="nosuch"):
+            eng.check_call("t", "nosuch", None)
+    assert eng._resolve("onebit", "vanilla") is eng._resolve("onebit", "vanilla")
+
+
+def test_a_host_reply_is_judged_finite_from_its_bytes(monkeypatch) -> None:
+    """decode_reply reads a host payload's scale, not the decoded result (no extra pass), and
+    still rejects a reply whose scale is not finite, naming the sender."""
+    from gradpress.compress import build
+    from gradpress.ps import protocol
+    from gradpress.ps.errors import PayloadError
+
+    codec = build("onebit", 100)
+    payload = codec.compress(torch.randn(100), key=7, step=3)
+    monkeypatch.setattr(protocol, "is_finite", lambda t: pytest.fail("decoded result scanned"))
+    out = torch.empty(100)
+    protocol.decode_reply(codec, payload, out, key=7, step=3, sender="server 0", label="k")
+    assert torch.isfinite(out).all()
+    bad = payload.clone()
+    bad[-4:] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # scale = NaN
+    with pytest.raises(PayloadError, match="server 0 rejected: it decodes to non-finite"):
+        protocol.decode_reply(codec, bad, out, key=7, step=3, sender="server 0", label="k")
+
+
+def test_layout_names_each_rank_once() -> None:
+    from gradpress.ps.cluster import Layout
+
+    lay = Layout(num_workers=2, num_servers=1, colocate=False)
+    assert lay.describe(0) == "worker 0 (rank 0)" and lay.describe(2) == "server 0 (rank 2)"
+    assert lay.describe(2) is lay.describe(2)
+    assert lay == Layout(num_workers=2, num_servers=1, colocate=False)

@@ -21,6 +21,7 @@ the world. Every process checks that it agrees with the others on the job's shap
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import json
 import logging
@@ -101,7 +102,18 @@ class Layout:
         return [n * self.workers_per_node for n in range(self.nnodes)]
 
     def describe(self, rank: int) -> str:
-        """Human-readable role(s) of a world rank, e.g. ``"server 1 (rank 3)"``."""
+        """Human-readable role(s) of a world rank, e.g. ``"server 1 (rank 3)"`` (built once per
+        rank: every message names its peer)."""
+        name = self._names.get(rank)
+        if name is None:
+            name = self._names[rank] = self._describe(rank)
+        return name
+
+    @functools.cached_property
+    def _names(self) -> dict[int, str]:
+        return {}
+
+    def _describe(self, rank: int) -> str:
         parts = []
         if rank < self.num_workers:
             parts.append(f"worker {rank}")

@@ -229,13 +229,13 @@ def decode_reply(codec: Codec, payload: torch.Tensor, out: torch.Tensor, *, key:
                  step: int, sender: str, label: str) -> None:
     """Step 4: validate ``sender``'s reply for ``key`` at ``step`` and decode it into ``out``.
 
-    A host payload decoded with torch ops (``out`` on a GPU, or a ``backend="torch"`` codec) is
-    judged finite from its bytes (:meth:`~gradpress.compress.base.Codec.payload_finite`), so
-    the decode runs on ``out``'s device without a host synchronisation; otherwise the decoded
-    values are scanned, as before. Both decide the same thing: every codec decodes a payload
-    whose values/scale/norm are finite (and, for dithering, whose codes are valid) to finite
-    values."""
-    from_bytes = payload.device.type == "cpu" and codec.use_torch(out.device)
+    A host payload is judged finite from its bytes
+    (:meth:`~gradpress.compress.base.Codec.payload_finite`: onebit reads its scale, topk its
+    values), not by scanning the decoded ``out``: no extra pass over the result, and no host
+    synchronisation when the decode runs on a GPU. Both decide the same thing: every codec
+    decodes a payload whose values/scale/norm are finite (and, for dithering, whose codes are
+    valid) to finite values. A payload on a device is scanned after decoding."""
+    from_bytes = payload.device.type == "cpu"
     try:
         codec.check_header(payload, key=key, step=step, sender=sender)
         codec.decompress(payload, out=out)

@@ -103,6 +103,7 @@ class WorkerEngine:
         self._plans: dict[str, Plan] = {}
         self._key_owner: dict[int, str] = {}
         self._valid_specs: set[str] = set()
+        self._resolved: dict[tuple[Any, Any], tuple[CodecSpec, dict[str, Any], bool, str]] = {}
         self._server_loads = [0] * cluster.layout.num_servers
         self._budget = ByteBudget(cfg.inflight_bytes)
         self._buffers = BufferPool(2 * cfg.inflight_bytes)  # send + receive of what is in flight
@@ -229,20 +230,39 @@ class WorkerEngine:
         """Validate a call's name and codec options (ValueError/TypeError), before any I/O."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"push_pull: name must be a non-empty str, got {name!r}")
-        spec, wrappers = resolve_codec(compression, ef, self.cfg)
-        if ef_needs_lr(wrappers["ef"]) and lr is None:
+        spec, wrappers, needs_lr, sig = self._resolve(compression, ef)
+        if needs_lr and lr is None:
             raise ValueError(f"push_pull({name!r}): ef={wrappers['ef']!r} needs the step's "
                              f"learning rate: pass lr=...")
-        sig = repr((spec.name, sorted(spec.params.items()), sorted(wrappers.items())))
         if sig not in self._valid_specs:
             build(spec, 0, seed=self.cfg.seed, **wrappers)  # unknown codec or parameter: raise
             self._valid_specs.add(sig)
+
+    def _resolve(self, compression: Any,
+                 ef: str | EFSpec | None) -> tuple[CodecSpec, dict[str, Any], bool, str]:
+        """``resolve_codec`` of a call's options, whether its error feedback needs the lr, and
+        its signature; parsed once per distinct (hashable) pair of options, not per call (the
+        optimizer passes the same options for every tensor of every step). Callers must not
+        modify the returned spec or dict."""
+        key: tuple[Any, Any] | None = (compression, ef)
+        try:
+            hit = self._resolved.get(key)  # type: ignore[arg-type]
+        except TypeError:  # unhashable options (a dict spec): parsed every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        spec, wrappers = resolve_codec(compression, ef, self.cfg)
+        sig = repr((spec.name, sorted(spec.params.items()), sorted(wrappers.items())))
+        hit = (spec, wrappers, ef_needs_lr(wrappers["ef"]), sig)
+        if key is not None and len(self._resolved) < 256:
+            self._resolved[key] = hit
+        return hit
 
     def _plan(self, name: str, numel: int, average: bool, compression: Any,
               ef: str | EFSpec | None, lr: float | None, min_compress_bytes: int | None) -> Plan:
         self.check_call(name, compression, ef, lr)
         limit = self.cfg.min_compress_bytes if min_compress_bytes is None else min_compress_bytes
-        spec, wrappers = resolve_codec(compression, ef, self.cfg)
+        spec, wrappers = self._resolve(compression, ef)[:2]
         if 4 * numel < limit:  # small tensors travel uncompressed (fp32, exact), no residual;
             # worker-side momentum (dist-EF-SGDM) still applies to them, as to every tensor
             spec = CodecSpec("none")
