@@ -58,3 +58,19 @@ def test_tiny_job_speed_and_bytes(tmp_path):
     # none moves the fp32 bytes both ways (plus headers); onebit about 1/32 of them
     assert res[0][pp.NONE]["bytes"] >= 2 * drv.grad_bytes
     assert res[0][pp.ONEBIT]["bytes"] < res[0][pp.NONE]["bytes"] / 25
+
+
+def test_per_chunk_tiny_job(capsys):
+    """benchmarks/per_chunk.py end to end on a tiny job: every part of the split is reported
+    (in clock ticks, so a tiny job may count 0) and the codec-only reference is positive."""
+    spec = importlib.util.spec_from_file_location("_bench_per_chunk", BENCH / "per_chunk.py")
+    pc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pc)
+    assert pc.main(["--tensors", "6", "--kib", "8", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split("|")[1].strip(): ln.split("|")[2].strip() for ln in out.splitlines()
+            if ln.startswith("| ") and "us/chunk" not in ln}
+    assert set(pc.PARTS) <= set(rows) and "worker total" in rows
+    assert float(rows["worker total"]) >= 0
+    assert float(rows["codec kernels alone (compress + decompress, same tensors)"]) > 0
+    assert "engine threads / codec kernels:" in out
