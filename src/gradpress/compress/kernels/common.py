@@ -118,6 +118,17 @@ def fill_p(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, out: np.ndarr
 
 
 @numba.njit(cache=True, nogil=True)
+def block_sums(n: int, block: int) -> np.ndarray:
+    """Zeroed float64 sums for the ``ceil(n / block)`` blocks of a blocked reduction, padded
+    with zeros to a power of two (at least 1) for :func:`fold`."""
+    nblk = (n + block - 1) // block
+    q = 1
+    while q < nblk:
+        q *= 2
+    return np.zeros(q)
+
+
+@numba.njit(cache=True, nogil=True)
 def fold(acc: np.ndarray, w: int) -> float:
     """The fixed summation order of the onebit and dithering reductions (their torch paths
     reproduce it): a halving tree over acc[:w], w a power of two (acc[j] += acc[j + w/2], ...,

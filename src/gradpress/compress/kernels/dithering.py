@@ -38,7 +38,15 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .common import MODE_P, ef_p, f32_bits, fill_p, fold, max_abs_ef  # max_abs_ef: re-exported
+from .common import (  # max_abs_ef: re-exported
+    MODE_P,
+    block_sums,
+    ef_p,
+    f32_bits,
+    fill_p,
+    fold,
+    max_abs_ef,
+)
 
 __all__ = ["BLOCK", "LANES", "ROWS", "hash32", "hash32_np", "max_abs_bits", "sumsq",
            "encode_linear", "encode_natural", "decode", "decode_add", "sumsq_ef",
@@ -107,10 +115,7 @@ def sumsq_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
     the total is non-finite exactly when p is."""
     n = g.shape[0]
     nblk = max(1, (n + BLOCK - 1) // BLOCK)
-    q = 1
-    while q < nblk:
-        q *= 2
-    sums = np.zeros(q)
+    sums = block_sums(n, BLOCK)
     acc = np.empty(LANES)
     for b in range(nblk):
         lo = b * BLOCK
@@ -126,7 +131,7 @@ def sumsq_ef(g, e, r, mode):  # type: ignore[no-untyped-def]
                 v = np.float64(ef_p(g, e, r, mode, i))
                 acc[(i - lo) % LANES] += v * v
         sums[b] = fold(acc, LANES)
-    return fold(sums, q)
+    return fold(sums, sums.shape[0])
 
 
 @numba.njit(cache=True, nogil=True)

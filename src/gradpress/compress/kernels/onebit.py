@@ -40,7 +40,7 @@ import numba
 import numpy as np
 import torch
 
-from .common import MODE_P, bits_f32, ef_p, f32_bits, fold
+from .common import MODE_P, bits_f32, block_sums, ef_p, f32_bits, fold
 
 __all__ = ["LANES", "ROWS", "BLOCK", "encode", "encode_ef", "residual_ef", "decode", "decode_add",
            "abs_sum_torch", "read_scale"]
@@ -100,10 +100,7 @@ def encode_ef(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, body: np.n
     ``p`` is computed on the fly and never stored (error feedback's pass 1)."""
     n = g.shape[0]
     nblk = (n + BLOCK - 1) // BLOCK
-    q = 1
-    while q < nblk:
-        q *= 2
-    sums = np.zeros(q)
+    sums = block_sums(n, BLOCK)
     acc = np.empty(LANES)
     signs = np.empty(LANES, np.uint8)  # one sign byte (0/1) per element of the row
     s64 = signs.view(np.uint64)
@@ -125,7 +122,7 @@ def encode_ef(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, body: np.n
     if nfull < nblk:
         sums[nfull] = _tail_block(g, e, r, mode, body, nfull * BLOCK, acc, signs, s64)
     # 3. fold the block sums (zero-padded to q); 4. the scale after the bits
-    total = fold(sums, q)
+    total = fold(sums, sums.shape[0])
     scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
     _put_scale(body, (n + 7) // 8, scale)
     return total

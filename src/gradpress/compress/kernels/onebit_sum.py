@@ -25,7 +25,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .common import MODE_ADD, MODE_P, bits_f32, f32_bits, fold
+from .common import MODE_ADD, MODE_P, bits_f32, block_sums, f32_bits, fold
 from .onebit import _GATHER, BLOCK, LANES, ROWS, _get_scale_bits, _put_scale
 
 __all__ = ["encode_sum_ef", "residual_sum_ef"]
@@ -118,10 +118,7 @@ def encode_sum_ef(bodies, n, divisor, e, r, mode, body, scaling):  # type: ignor
     dv = np.float32(divisor)
     divide = divisor != 1
     nblk = (n + BLOCK - 1) // BLOCK
-    q = 1
-    while q < nblk:
-        q *= 2
-    sums = np.zeros(q)
+    sums = block_sums(n, BLOCK)
     acc = np.empty(LANES)
     g = np.empty(LANES, np.float32)
     signs = np.empty(LANES, np.uint8)
@@ -145,7 +142,7 @@ def encode_sum_ef(bodies, n, divisor, e, r, mode, body, scaling):  # type: ignor
     if nfull < nblk:
         sums[nfull] = _tail_block(bodies, vbs, dv, divide, e, r, mode, body, nfull * BLOCK, n,
                                   acc, g, signs, s64)
-    total = fold(sums, q)
+    total = fold(sums, sums.shape[0])
     scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
     _put_scale(body, (n + 7) // 8, scale)
     return total
