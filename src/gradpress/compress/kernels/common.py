@@ -20,8 +20,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["fold", "all_finite", "p_all_finite", "max_abs_ef", "f32_bits", "bits_f32", "ef_p",
-           "ef_args", "fill_p", "MODE_P", "MODE_ADD", "MODE_SCALED"]
+__all__ = ["fold", "block_sums", "all_finite", "p_all_finite", "max_abs_ef", "f32_bits",
+           "bits_f32", "ef_p", "ef_args", "fill_p", "MODE_P", "MODE_ADD", "MODE_SCALED"]
 
 _EXP = np.uint32(0x7F800000)
 MODE_P, MODE_ADD, MODE_SCALED = 0, 1, 2

@@ -121,7 +121,13 @@ def encode_ef(g: np.ndarray, e: np.ndarray, r: np.float32, mode: int, body: np.n
         sums[b] = fold(acc, LANES)
     if nfull < nblk:
         sums[nfull] = _tail_block(g, e, r, mode, body, nfull * BLOCK, acc, signs, s64)
-    # 3. fold the block sums (zero-padded to q); 4. the scale after the bits
+    return _total_and_scale(sums, n, body, scaling)  # steps 3-4
+
+
+@numba.njit(cache=True, nogil=True)
+def _total_and_scale(sums: np.ndarray, n: int, body: np.ndarray, scaling: bool) -> float:
+    """Steps 3-4: fold the block sums (zero-padded to a power of two) into the float64 total
+    and write the scale after the ``n`` elements' bits; returns the total."""
     total = fold(sums, sums.shape[0])
     scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
     _put_scale(body, (n + 7) // 8, scale)

@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 from .common import MODE_ADD, MODE_P, bits_f32, block_sums, f32_bits, fold
-from .onebit import _GATHER, BLOCK, LANES, ROWS, _get_scale_bits, _put_scale
+from .onebit import _GATHER, BLOCK, LANES, ROWS, _get_scale_bits, _total_and_scale
 
 __all__ = ["encode_sum_ef", "residual_sum_ef"]
 
@@ -142,10 +142,7 @@ def encode_sum_ef(bodies, n, divisor, e, r, mode, body, scaling):  # type: ignor
     if nfull < nblk:
         sums[nfull] = _tail_block(bodies, vbs, dv, divide, e, r, mode, body, nfull * BLOCK, n,
                                   acc, g, signs, s64)
-    total = fold(sums, sums.shape[0])
-    scale = np.float32(total / max(n, 1)) if scaling else np.float32(1.0)
-    _put_scale(body, (n + 7) // 8, scale)
-    return total
+    return _total_and_scale(sums, n, body, scaling)
 
 
 @numba.njit(inline="always", **_JIT)
