@@ -59,7 +59,7 @@ from .base import Codec, register
 from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import dithering as K
-from .kernels.common import MODE_P, ef_args
+from .kernels.common import MODE_P, blocked_sum_torch, ef_args
 from .spec import Param, choice, parse_int
 
 __all__ = ["Dithering", "stream_keys"]
@@ -324,28 +324,8 @@ def _norm_torch(x: torch.Tensor, l2: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sumsq_torch(x: torch.Tensor) -> torch.Tensor:
     """:func:`.kernels.dithering.sumsq` with torch ops, a 0-d float64 tensor: the same float64
-    additions in the same order (``ROWS`` lane-wise adds per block, halving trees over the lanes
-    and over the zero-padded block sums), hence the same sum bit for bit (a deterministic
-    parallel reduction, not a sequential ``cumsum``)."""
-    n = x.numel()
-    nblk = max(1, -(-n // K.BLOCK))
-    a = torch.zeros(nblk * K.BLOCK, dtype=torch.float64, device=x.device)
-    a[:n] = x
-    a = a.square_().view(nblk, K.ROWS, K.LANES)
-    acc = a[:, 0, :].clone()
-    for r in range(1, K.ROWS):
-        acc += a[:, r, :]
-    w = K.LANES
-    while w > 1:
-        w //= 2
-        acc = acc[:, :w] + acc[:, w:2 * w]
-    q = 1 << (nblk - 1).bit_length()
-    sums = torch.zeros(q, dtype=torch.float64, device=x.device)
-    sums[:nblk] = acc[:, 0]
-    while q > 1:
-        q //= 2
-        sums = sums[:q] + sums[q:2 * q]
-    return sums[0]
+    additions in the same order, hence the same sum bit for bit."""
+    return blocked_sum_torch(x, square=True, rows=K.ROWS, lanes=K.LANES)
 
 
 # -- torch twins of the hash and the bit packing ----------------------------------------------

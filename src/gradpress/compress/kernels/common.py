@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-__all__ = ["fold", "block_sums", "all_finite", "p_all_finite", "max_abs_ef", "f32_bits",
-           "bits_f32", "ef_p", "ef_args", "fill_p", "MODE_P", "MODE_ADD", "MODE_SCALED"]
+__all__ = ["fold", "block_sums", "blocked_sum_torch", "all_finite", "p_all_finite", "max_abs_ef",
+           "f32_bits", "bits_f32", "ef_p", "ef_args", "fill_p", "MODE_P", "MODE_ADD",
+           "MODE_SCALED"]
 
 _EXP = np.uint32(0x7F800000)
 MODE_P, MODE_ADD, MODE_SCALED = 0, 1, 2
@@ -138,3 +140,35 @@ def fold(acc: np.ndarray, w: int) -> float:
         for j in range(w):
             acc[j] += acc[j + w]
     return acc[0]
+
+
+def blocked_sum_torch(x: torch.Tensor, *, square: bool, rows: int, lanes: int) -> torch.Tensor:
+    """float64 sum of ``|x|`` (or of ``x**2`` with ``square``) in the numba kernels' blocked
+    order, with torch ops on ``x``'s device: a 0-d tensor, the same bits. Per block of ``rows``
+    x ``lanes`` elements (the last one zero-padded), 1. lane-wise adds of the rows in order,
+    2. a halving tree over the lanes (:func:`fold`'s order); 3. the same tree over the block
+    sums, zero-padded to a power of two (:func:`block_sums`). A deterministic parallel
+    reduction, not a sequential ``cumsum``."""
+    n, block = x.numel(), rows * lanes
+    nblk = max(1, -(-n // block))
+    a = torch.zeros(nblk * block, dtype=torch.float64, device=x.device)
+    if square:
+        a[:n] = x
+        a.square_()
+    else:
+        a[:n] = x.abs()
+    a = a.view(nblk, rows, lanes)
+    acc = a[:, 0, :].clone()  # 1.
+    for r in range(1, rows):
+        acc += a[:, r, :]
+    w = lanes  # 2.
+    while w > 1:
+        w //= 2
+        acc = acc[:, :w] + acc[:, w:2 * w]
+    q = 1 << (nblk - 1).bit_length()  # 3.
+    sums = torch.zeros(q, dtype=torch.float64, device=x.device)
+    sums[:nblk] = acc[:, 0]
+    while q > 1:
+        q //= 2
+        sums = sums[:q] + sums[q:2 * q]
+    return sums[0]

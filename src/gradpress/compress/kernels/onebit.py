@@ -40,7 +40,7 @@ import numba
 import numpy as np
 import torch
 
-from .common import MODE_P, bits_f32, block_sums, ef_p, f32_bits, fold
+from .common import MODE_P, bits_f32, block_sums, blocked_sum_torch, ef_p, f32_bits, fold
 
 __all__ = ["LANES", "ROWS", "BLOCK", "encode", "encode_ef", "residual_ef", "decode", "decode_add",
            "abs_sum_torch", "read_scale"]
@@ -211,25 +211,4 @@ def read_scale(body: torch.Tensor, numel: int) -> torch.Tensor:
 
 def abs_sum_torch(x: torch.Tensor) -> torch.Tensor:
     """float64 sum of |x| in exactly the order of :func:`encode` (a 0-d tensor, same device)."""
-    n = x.numel()
-    nblk = max(1, -(-n // BLOCK))
-    a = torch.zeros(nblk * BLOCK, dtype=torch.float64, device=x.device)
-    a[:n] = x.abs()
-    a = a.view(nblk, ROWS, LANES)
-    # 1. lane accumulators, rows added in order
-    acc = a[:, 0, :].clone()
-    for r in range(1, ROWS):
-        acc += a[:, r, :]
-    # 2. halving tree over the lanes of each block
-    w = LANES
-    while w > 1:
-        w //= 2
-        acc = acc[:, :w] + acc[:, w:2 * w]
-    # 3. halving tree over the block sums, zero-padded to a power of two
-    p = 1 << (nblk - 1).bit_length()
-    sums = torch.zeros(p, dtype=torch.float64, device=x.device)
-    sums[:nblk] = acc[:, 0]
-    while p > 1:
-        p //= 2
-        sums = sums[:p] + sums[p:2 * p]
-    return sums[0]
+    return blocked_sum_torch(x, square=False, rows=ROWS, lanes=LANES)
