@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .base import Codec
+from .base import Codec, _both
 from .header import Header
 from .spec import EFSpec, parse_ef
 from .wrapper import CodecWrapper, check_state_keys
@@ -209,8 +209,7 @@ class ErrorFeedback(CodecWrapper):
         if hook is not None and hook(p, body, e, h.key, h.step):
             return None
         # 2. c = C(p)
-        inner_flag = inner._encode(p, body, h.key, h.step)
-        flag = inner_flag if flag is None else flag if inner_flag is None else flag & inner_flag
+        flag = _both(flag, inner._encode(p, body, h.key, h.step))
         # 3. e = p - D(c): subtract the decoding in place (sparse codecs touch only k entries);
         #    the buffer holding p - D(c) becomes the residual in _commit, the old one the scratch
         inner._decode_add(body, p, -1.0, h)
