@@ -43,6 +43,7 @@ from gradpress.ps.partition import chunk_key
 from gradpress.ps.protocol import (
     CTRL_BYTES,
     OP_PUSH,
+    OP_PUSH_INLINE,
     OP_STOP,
     Control,
     KeyDescriptor,
@@ -50,7 +51,7 @@ from gradpress.ps.protocol import (
     unpack_control,
 )
 from gradpress.ps.server import ServerEngine
-from gradpress.ps.transport import CTRL_TAG, Transport
+from gradpress.ps.transport import CTRL_TAG, INLINE_BYTES, Transport, inline_payload
 from gradpress.ps.worker import WorkerEngine
 from test_launch import _marked
 
@@ -312,11 +313,10 @@ def test_worker_rejects_hostile_reply_naming_server_and_key(
     worker = WorkerEngine(cluster, cfg, transport)
     try:
         h = worker.submit(torch.ones(64), f"reply-{case}", compression="none")
-        ctrl = torch.empty(CTRL_BYTES, dtype=torch.uint8)
+        ctrl = torch.empty(INLINE_BYTES, dtype=torch.uint8)  # a small push comes inline
         transport.irecv(ctrl, 0, CTRL_TAG, "ctrl", "push").wait(10, "test")
-        msg = unpack_control(ctrl)
-        transport.irecv(torch.empty(msg.nbytes, dtype=torch.uint8), 0, msg.key, "push",
-                        "push").wait(10, "test")
+        msg = unpack_control(ctrl[:CTRL_BYTES])
+        assert msg.op == OP_PUSH_INLINE and inline_payload(ctrl, msg.nbytes) is not None
         reply = mutate(build("none", 64).compress(torch.ones(64), key=msg.key, step=msg.step))
         transport.isend(reply, 0, msg.key, "reply", "pull")
         with pytest.raises(PayloadError) as exc:
@@ -333,8 +333,8 @@ HOSTILE_GLOO = textwrap.dedent('''
     import torch
     import gradpress as gp
     from gradpress import api
-    from gradpress.ps.protocol import OP_PUSH, Control, pack_control
-    from gradpress.ps.transport import CTRL_TAG, payload_buffer
+    from gradpress.ps.protocol import OP_PUSH, OP_PUSH_INLINE, Control, pack_control
+    from gradpress.ps.transport import CTRL_TAG, HEAD_ROOM, head_room, payload_buffer
 
     gp.init()
     if gp.rank() == 0:
@@ -343,21 +343,30 @@ HOSTILE_GLOO = textwrap.dedent('''
     rt = api._RT  # worker 1: declares "x" as an honest worker would, then pushes a short message
     cs = rt.worker._plan("x", 4096, True, None, None, None, None).chunks[0]
     good = cs.enc.compress(torch.ones(4096), key=cs.key, step=0)
-    short = payload_buffer(good.numel() - 1000)
-    short.copy_(good[:short.numel()])
-    ctrl = pack_control(Control(OP_PUSH, cs.key, 0, None, good.numel()))
-    rt.transport.isend(ctrl, cs.server_rank, CTRL_TAG, "control", "push").wait(30, "test")
-    rt.transport.isend(short, cs.server_rank, cs.key, "payload", "push").wait(30, "test")
+    dst = cs.server_rank
+    if os.environ["HOSTILE_MODE"] == "inline":  # control and payload in one message, cut short
+        buf = payload_buffer(good.numel())
+        buf.copy_(good)
+        pack_control(Control(OP_PUSH_INLINE, cs.key, 0, None, good.numel()), head_room(buf))
+        msg = buf._gp_frame[0][:HEAD_ROOM + good.numel() - 1000]
+        rt.transport.isend(msg, dst, CTRL_TAG, "inline push", "push").wait(30, "test")
+    else:  # announced on the control tag, then a payload shorter than announced
+        short = payload_buffer(good.numel() - 1000)
+        short.copy_(good[:short.numel()])
+        ctrl = pack_control(Control(OP_PUSH, cs.key, 0, None, good.numel()))
+        rt.transport.isend(ctrl, dst, CTRL_TAG, "control", "push").wait(30, "test")
+        rt.transport.isend(short, dst, cs.key, "payload", "push").wait(30, "test")
     time.sleep(600)
 ''')
 
 
-def test_truncated_payload_over_gloo_is_rejected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["separate", "inline"])
+def test_truncated_payload_over_gloo_is_rejected(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE_GLOO)
     marker = uuid.uuid4().hex
     p = _launch(["--workers", "2", "--servers", "1", "--timeout", "20"], script, tmp_path,
-                marker, GRADPRESS_TIMEOUT="20")
+                marker, GRADPRESS_TIMEOUT="20", HOSTILE_MODE=mode)
     out = _communicate(p, marker)
     assert p.returncode == 1, out
     key = chunk_key("x", 0)

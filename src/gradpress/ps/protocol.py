@@ -5,7 +5,7 @@
       offset size field
       0      1    op      (1 = push announcement, 2 = stop, 3 = save server state,
                            4 = load server state; for 3 and 4 ``step`` is the request number,
-                           see :mod:`gradpress.ps.checkpointing`)
+                           see :mod:`gradpress.ps.checkpointing`; 5 = inline push)
       1      3    padding
       4      4    key     (uint32; the gloo tag of the payload that follows)
       8      8    step    (int64; the key's step counter)
@@ -14,7 +14,11 @@
 
   A worker announces each push on the control tag, then sends the payload on the key's tag; a
   server's per-worker control thread posts the payload receive when it reads the announcement,
-  so the server never blocks on a key a worker has not pushed yet.
+  so the server never blocks on a key a worker has not pushed yet. A payload that fits in
+  ``INLINE_BYTES`` with its control message and trailer travels *inline* instead (op 5): in
+  the same message, behind the control message (:meth:`~gradpress.ps.transport.Transport.
+  isend_inline`), one message per push instead of two; the server copies it out of its control
+  buffer after checking its trailer.
 * Key descriptors (JSON in the TCP store under ``k/<key>``): written once per key with
   ``compare_set`` by the first worker to use it; every other worker compares its own and a
   difference is a clear error; servers read them to build their codecs.
@@ -67,16 +71,16 @@ from .errors import (
     KeyCollisionError,
     PayloadError,
 )
-from .transport import CTRL_TAG
+from .transport import CTRL_TAG, HEAD_ROOM
 
 if TYPE_CHECKING:
     from .cluster import Cluster
     from .transport import Transport
 
-__all__ = ["CTRL_BYTES", "OP_PUSH", "OP_STOP", "OP_SAVE", "OP_LOAD", "Control", "pack_control",
-           "unpack_control", "KeyDescriptor", "read_control", "require_declared", "add_push",
-           "check_sum", "decode_reply", "is_finite", "request_server_op", "read_request",
-           "acknowledge", "ArrivalCounter"]
+__all__ = ["CTRL_BYTES", "OP_PUSH", "OP_PUSH_INLINE", "OP_STOP", "OP_SAVE", "OP_LOAD", "Control",
+           "pack_control", "unpack_control", "KeyDescriptor", "read_control", "require_declared",
+           "add_push", "check_sum", "decode_reply", "is_finite", "request_server_op",
+           "read_request", "acknowledge", "ArrivalCounter"]
 
 _FMT = struct.Struct("<B3xIqdQ")
 CTRL_BYTES = _FMT.size
@@ -84,7 +88,10 @@ OP_PUSH = 1
 OP_STOP = 2
 OP_SAVE = 3
 OP_LOAD = 4
-_OPS = (OP_PUSH, OP_STOP, OP_SAVE, OP_LOAD)
+OP_PUSH_INLINE = 5
+_OPS = (OP_PUSH, OP_STOP, OP_SAVE, OP_LOAD, OP_PUSH_INLINE)
+if CTRL_BYTES > HEAD_ROOM:  # an inline push's control message lives in the buffer's head room
+    raise ImportError(f"control messages ({CTRL_BYTES} bytes) outgrew HEAD_ROOM ({HEAD_ROOM})")
 
 
 @dataclass(frozen=True)
@@ -181,7 +188,8 @@ def read_control(buf: torch.Tensor, *, sender: str, receiver: str) -> Control:
         key = int.from_bytes(bytes(buf[4:8].numpy()), "little")  # the key field, as sent
         raise PayloadError(f"{receiver}: control message from {sender} (key field {key}) "
                            f"rejected: {e}", key=key, peer=sender, stage="control") from e
-    if msg.op == OP_PUSH and msg.lr is not None and not (math.isfinite(msg.lr) and msg.lr >= 0):
+    pushes = msg.op in (OP_PUSH, OP_PUSH_INLINE)
+    if pushes and msg.lr is not None and not (math.isfinite(msg.lr) and msg.lr >= 0):
         raise PayloadError(f"{receiver}: {sender} pushes key {msg.key} with learning rate "
                            f"{msg.lr!r}; expected a finite number >= 0; rejected", key=msg.key,
                            peer=sender, stage="control")

@@ -10,7 +10,8 @@ Per key and step:
 1. A control thread per worker reads that worker's push announcements in order and posts the
    payload receive into a buffer lent by the engine's pool until the push is decoded (the
    server never waits on a key a worker has not pushed, whatever order the workers push keys
-   in, and holds receive buffers only for pushes in flight).
+   in, and holds receive buffers only for pushes in flight); an inline push's payload came
+   with its announcement and is copied into such a buffer.
 2. When all workers announced the step, the key goes to the engine thread that owns it (keys
    are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`).
 3. The engine thread waits until the sends that used this step's reply buffer two steps ago
@@ -45,11 +46,12 @@ from ..compress import Codec, build, parse_ef
 from .checkpointing import ServerCheckpoint
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
-from .errors import ConfigMismatchError, GradpressError
+from .errors import ConfigMismatchError, GradpressError, PayloadError
 from .partition import assign_balanced
 from .protocol import (
     CTRL_BYTES,
     OP_LOAD,
+    OP_PUSH_INLINE,
     OP_SAVE,
     OP_STOP,
     KeyDescriptor,
@@ -60,7 +62,15 @@ from .protocol import (
     require_declared,
 )
 from .trace import Tracer, trace_path
-from .transport import CTRL_TAG, BufferPool, Transfer, Transport, payload_buffer
+from .transport import (
+    CTRL_TAG,
+    INLINE_BYTES,
+    BufferPool,
+    Transfer,
+    Transport,
+    inline_payload,
+    payload_buffer,
+)
 from .watchdog import Watchdog
 
 __all__ = ["reduce_pushes", "ServerEngine", "serve", "main"]
@@ -271,13 +281,15 @@ class ServerEngine:
     # -- step 1: per-worker control threads ----------------------------------------------------
     def _control_loop(self, w: int) -> None:
         rank = self.pushers[w]
-        buf = torch.empty(CTRL_BYTES, dtype=torch.uint8)
+        buf = torch.empty(INLINE_BYTES, dtype=torch.uint8)  # a control message, or an inline push
+        head = buf.numpy()[:CTRL_BYTES]
         who = self.cluster.describe(rank)
         while self._error is None:
+            head[:] = 0  # op 0 is invalid: a truncated message cannot pass for the last one
             op = self.transport.irecv(buf, rank, CTRL_TAG, f"control messages of {self.name}",
                                       "push")
             op.wait(self.cfg.idle_timeout, "waiting for the next push")
-            msg = read_control(buf, sender=who, receiver=self.name)  # hostile input checks
+            msg = read_control(buf[:CTRL_BYTES], sender=who, receiver=self.name)  # hostile input
             if msg.op == OP_STOP:
                 break
             if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.checkpointing)
@@ -288,7 +300,11 @@ class ServerEngine:
             ks = self._key_state(msg.key)
             self._check_push(ks, w, msg.step, msg.nbytes)
             ks.recv[w] = buf_w = self._buffers.take(ks.nbytes)  # back after the reduce
-            ks.recv_ops[w] = self.transport.irecv(buf_w, rank, ks.key, ks.label, "push")
+            if msg.op == OP_PUSH_INLINE:
+                buf_w.copy_(self._inline(buf, ks, who))
+                ks.recv_ops[w] = None
+            else:
+                ks.recv_ops[w] = self.transport.irecv(buf_w, rank, ks.key, ks.label, "push")
             ks.lrs[w] = msg.lr
             with ks.lock:
                 ks.next_step[w] += 1
@@ -311,6 +327,14 @@ class ServerEngine:
         if step != ks.next_step[w]:
             raise ConfigMismatchError(f"{self.name}: {who} pushes {ks.label} at step {step}, "
                                       f"expected step {ks.next_step[w]}")
+
+    def _inline(self, buf: torch.Tensor, ks: KeyState, who: str) -> torch.Tensor:
+        payload = inline_payload(buf, ks.nbytes)
+        if payload is None:
+            raise PayloadError(f"{self.name}: inline push of {ks.label} from {who} rejected: "
+                               f"the message is truncated or corrupted (its trailer does not "
+                               f"match its header)", key=ks.label, peer=who, stage="push")
+        return payload
 
     def _key_state(self, key: int) -> KeyState:
         with self._keys_lock:
@@ -368,9 +392,11 @@ class ServerEngine:
         """The key's pushes in rank order, each as soon as it arrived; records the waits in
         ``times["wait"]`` and when the last push was handed over in ``times["decoded"]``."""
         for w, rank in enumerate(self.pushers):  # rank order, not arrival order
-            tw = time.perf_counter()
-            ks.recv_ops[w].wait(self.cfg.timeout, "push")  # type: ignore[union-attr]
-            times["wait"] += time.perf_counter() - tw
+            op = ks.recv_ops[w]
+            if op is not None:  # None: an inline push, here already
+                tw = time.perf_counter()
+                op.wait(self.cfg.timeout, "push")
+                times["wait"] += time.perf_counter() - tw
             yield self.cluster.describe(rank), ks.recv[w]  # type: ignore[misc]
         times["decoded"] = time.perf_counter()
 

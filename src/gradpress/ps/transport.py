@@ -19,6 +19,13 @@ receive the trailer must equal the header it arrived with; otherwise the message
 Payload buffers therefore come from :func:`payload_buffer`, which leaves room for the trailer.
 (A message *longer* than the posted buffer makes gloo abort the receiving process.)
 
+Small pushes travel *inline*: the control message, the payload and its trailer in one message
+on ``CTRL_TAG`` (:meth:`Transport.isend_inline`), one gloo message per push instead of two.
+Every payload buffer therefore keeps ``HEAD_ROOM`` bytes in front of it for the control
+message. The receiver posts a buffer of ``INLINE_BYTES`` on ``CTRL_TAG``, learns the payload's
+size from the control message and checks the trailer at that place
+(:func:`inline_payload`).
+
 Flow control: :class:`BufferPool` lends payload buffers per chunk in flight, so a worker holds
 wire buffers only for the bytes it has in flight (bounded by ``inflight_bytes``, which
 :class:`ByteBudget` enforces), not one pair per key of the whole model. A worker takes a send
@@ -34,6 +41,7 @@ import datetime
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,8 +49,9 @@ import torch.distributed as dist
 from ..compress.header import HEADER_BYTES
 from .errors import CommTimeoutError, PayloadError, PeerError
 
-__all__ = ["Transfer", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES",
-           "payload_buffer", "BufferPool", "ByteBudget"]
+__all__ = ["Transfer", "Transport", "CTRL_TAG", "NO_LIMIT", "LANES", "FRAME_BYTES", "HEAD_ROOM",
+           "INLINE_BYTES", "payload_buffer", "head_room", "fits_inline", "inline_payload",
+           "BufferPool", "ByteBudget"]
 
 #: Directions of messages: worker -> server ("push") and server -> worker ("pull").
 LANES = ("push", "pull")
@@ -56,33 +65,75 @@ _FOREVER = datetime.timedelta(days=3650)
 _GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 #: Trailer behind every payload sent over gloo: header key (bytes 4-8) and step (16-24).
 FRAME_BYTES = 12
+#: Room in front of every payload buffer for the control message of an inline push.
+HEAD_ROOM = 32
+#: Largest message on ``CTRL_TAG``: control message, inline payload and trailer.
+INLINE_BYTES = 256 << 10
 
 
 def payload_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 payload buffer of ``nbytes``, with room for the frame trailer behind it."""
+    """A uint8 payload buffer of ``nbytes``, with ``HEAD_ROOM`` bytes in front of it (for an
+    inline push's control message) and room for the frame trailer behind it."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < HEADER_BYTES:
         raise ValueError(f"payload buffer size must be an int >= {HEADER_BYTES} (the header), "
                          f"got {nbytes!r}")
-    full = torch.empty(nbytes + FRAME_BYTES, dtype=torch.uint8)
-    view = full[:nbytes]
+    full = torch.empty(HEAD_ROOM + nbytes + FRAME_BYTES, dtype=torch.uint8)
+    view = full[HEAD_ROOM:HEAD_ROOM + nbytes]
     view._gp_frame = (full, full.numpy())  # type: ignore[attr-defined]
     return view
 
 
-def _frame(buf: torch.Tensor, label: str, is_send: bool) -> tuple[torch.Tensor, object]:
-    """The framed tensor to post for payload ``buf`` and, for a receive, its numpy view."""
+def fits_inline(nbytes: int) -> bool:
+    """Whether a push of ``nbytes`` of payload travels inline (one message with its control)."""
+    return HEAD_ROOM + nbytes + FRAME_BYTES <= INLINE_BYTES
+
+
+def head_room(buf: torch.Tensor) -> torch.Tensor:
+    """The ``HEAD_ROOM`` bytes in front of payload buffer ``buf`` (for its control message)."""
+    return _frame_of(buf, "an inline push")[0][:HEAD_ROOM]
+
+
+def _frame_of(buf: torch.Tensor, label: str) -> tuple[torch.Tensor, Any]:
     frame = getattr(buf, "_gp_frame", None)
     if frame is None:
         raise ValueError(f"the payload buffer of {label} has no room for the frame trailer: "
                          f"allocate it with gradpress.ps.transport.payload_buffer()")
-    full, a = frame
+    return frame
+
+
+def _write_trailer(a: Any, n: int) -> None:
+    """Trailer behind payload ``a[:n]``: the header's key and step, repeated."""
+    a[n:n + 4] = a[4:8]
+    a[n + 4:n + FRAME_BYTES] = a[16:24]
+
+
+def _trailer_ok(a: Any, n: int) -> bool:
+    return n >= HEADER_BYTES and len(a) >= n + FRAME_BYTES and \
+        bytes(a[n:n + FRAME_BYTES]) == bytes(a[4:8]) + bytes(a[16:24])
+
+
+def _frame(buf: torch.Tensor, label: str, is_send: bool) -> tuple[torch.Tensor, object]:
+    """The framed tensor to post for payload ``buf`` and, for a receive, its numpy view."""
+    full, a = _frame_of(buf, label)
     n = buf.numel()
+    full, a = full[HEAD_ROOM:HEAD_ROOM + n + FRAME_BYTES], a[HEAD_ROOM:HEAD_ROOM + n + FRAME_BYTES]
     if is_send:  # the trailer repeats the header's key and step
-        a[n:n + 4] = a[4:8]
-        a[n + 4:n + FRAME_BYTES] = a[16:24]
+        _write_trailer(a, n)
     else:  # a step's top byte is never 0xFF: an unwritten trailer cannot match
         a[n:] = 0xFF
     return full, a
+
+
+def inline_payload(msg: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+    """The payload of ``nbytes`` behind the control message in ``msg`` (a received inline push
+    of at most ``INLINE_BYTES``), or None if its trailer does not match its header (truncated
+    or corrupted). The trailer is then overwritten, so that a later, truncated message in the
+    same buffer cannot pass with this one's."""
+    a = msg.numpy()[HEAD_ROOM:]
+    if not fits_inline(nbytes) or not _trailer_ok(a, nbytes):
+        return None
+    a[nbytes:nbytes + FRAME_BYTES] = 0xFF
+    return msg[HEAD_ROOM:HEAD_ROOM + nbytes]
 
 
 class Transfer:
@@ -113,9 +164,7 @@ class Transfer:
 
     def _check_frame(self, stage: str) -> None:
         a = self._frame
-        n = len(a) - FRAME_BYTES  # type: ignore[arg-type]
-        trailer, head = bytes(a[n:]), bytes(a[4:8]) + bytes(a[16:24])  # type: ignore[index]
-        if n < HEADER_BYTES or trailer != head:
+        if not _trailer_ok(a, len(a) - FRAME_BYTES):  # type: ignore[arg-type]
             raise PayloadError(f"{self.kind} of {self.label} from {self.peer} (stage: {stage}) "
                                f"rejected: the message is truncated or corrupted (its trailer "
                                f"does not match its header)", key=self.label, peer=self.peer,
@@ -170,10 +219,11 @@ class _Mailbox:
                 return work
             other = q.popleft()
             src, dst = (work, other) if is_send else (other, work)
-            if src.buf.numel() != dst.buf.numel():
-                raise PeerError(f"in-process message with tag {tag}: {src.buf.numel()} bytes "
-                                f"sent, receive buffer holds {dst.buf.numel()}")
-            dst.buf.copy_(src.buf)
+            n = src.buf.numel()
+            if n > dst.buf.numel():  # as gloo: a shorter message fills the buffer's front
+                raise PeerError(f"in-process message with tag {tag}: {n} bytes sent, receive "
+                                f"buffer holds {dst.buf.numel()}")
+            dst.buf[:n].copy_(src.buf)
         other.event.set()
         work.event.set()
         return work
@@ -197,6 +247,18 @@ class Transport:
     def irecv(self, buf: torch.Tensor, src: int, tag: int, label: str, lane: str) -> Transfer:
         """Post a receive into ``buf`` from world rank ``src`` (sizes must match the send)."""
         return self._post(buf, src, tag, label, lane, is_send=False)
+
+    def isend_inline(self, buf: torch.Tensor, dst: int, label: str) -> Transfer:
+        """Post payload buffer ``buf`` with the control message already in its
+        :func:`head_room` and its trailer, as one message on ``CTRL_TAG`` (lane ``"push"``)."""
+        full, a = _frame_of(buf, label)
+        n = buf.numel()
+        if not fits_inline(n):
+            raise ValueError(f"inline push of {label}: {n} bytes of payload do not fit in "
+                             f"{INLINE_BYTES} bytes with control message and trailer")
+        _write_trailer(a[HEAD_ROOM:], n)
+        return self._post(full[:HEAD_ROOM + n + FRAME_BYTES], dst, CTRL_TAG, label, "push",
+                          is_send=True)
 
     def _post(self, buf: torch.Tensor, peer: int, tag: int, label: str, lane: str,
               is_send: bool) -> Transfer:

@@ -7,7 +7,8 @@ For each tensor: look up (or create) its plan, cut it into chunks, and per chunk
 2. compress on the thread pool with the chunk's worker codec (error feedback / momentum state
    lives here, per key), into the chunk's send buffer;
 3. pre-post the receive of the server's reply, announce the push on the control tag, and send
-   the payload on the key's tag;
+   the payload on the key's tag (a small payload travels inline, in the control message's
+   message: :mod:`gradpress.ps.protocol`);
 4. a receiver thread waits for replies in push order and hands each to the pool;
 5. decompress the reply into the chunk's slice of the output tensor (reassembly); the server
    already averaged, so when the last chunk lands the handle completes.
@@ -74,9 +75,9 @@ from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError, KeyCollisionError
 from .partition import assign_balanced, chunk_key, chunk_layout
-from .protocol import OP_PUSH, OP_STOP, Control, KeyDescriptor, pack_control
+from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
-from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport
+from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport, fits_inline, head_room
 
 __all__ = ["WorkerEngine"]
 
@@ -357,9 +358,15 @@ class WorkerEngine:
         t1 = time.perf_counter()
         dst, label = chunk.server_rank, chunk.label
         job.recv_op = self.transport.irecv(job.recv, dst, chunk.key, label, "pull")
-        pack_control(Control(OP_PUSH, chunk.key, job.step, job.lr, chunk.nbytes), chunk.ctrl)
-        job.ops = [self.transport.isend(chunk.ctrl, dst, CTRL_TAG, label, "push"),
-                   self.transport.isend(send, dst, chunk.key, label, "push")]
+        if fits_inline(chunk.nbytes):  # one message: control, payload, trailer
+            pack_control(Control(OP_PUSH_INLINE, chunk.key, job.step, job.lr, chunk.nbytes),
+                         head_room(send))
+            job.ops = [self.transport.isend_inline(send, dst, label)]
+        else:
+            pack_control(Control(OP_PUSH, chunk.key, job.step, job.lr, chunk.nbytes),
+                         chunk.ctrl)
+            job.ops = [self.transport.isend(chunk.ctrl, dst, CTRL_TAG, label, "push"),
+                       self.transport.isend(send, dst, chunk.key, label, "push")]
         job.t_sent = t2 = time.perf_counter()
         self._recv_q.put(job)
         self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=chunk.nbytes, chunks=1)

@@ -1,0 +1,126 @@
+"""Inline pushes (control message, payload and trailer in one message on the control tag).
+
+Units: buffer layout, the size limit, the receiver's trailer check (a truncated message is
+caught, also in a buffer that held a good one before), the in-process mailbox's gloo-like
+sizes. End to end: a real job (2 workers, 1 server, gloo on loopback) with ``none`` tensors on
+both sides of the inline limit, compared bit for bit with the plain sum.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradpress.compress import build
+from gradpress.ps.errors import PeerError
+from gradpress.ps.protocol import CTRL_BYTES, OP_PUSH_INLINE, Control, pack_control, \
+    unpack_control
+from gradpress.ps.transport import (
+    CTRL_TAG,
+    FRAME_BYTES,
+    HEAD_ROOM,
+    INLINE_BYTES,
+    Transport,
+    fits_inline,
+    head_room,
+    inline_payload,
+    payload_buffer,
+)
+
+#: the largest ``none`` tensor (elements) whose payload still travels inline
+LIMIT = (INLINE_BYTES - HEAD_ROOM - FRAME_BYTES - build("none", 0).payload_bytes) // 4
+
+
+def test_inline_limit_and_buffer_layout() -> None:
+    assert fits_inline(build("none", LIMIT).payload_bytes)
+    assert not fits_inline(build("none", LIMIT + 1).payload_bytes)
+    buf = payload_buffer(100)
+    assert buf.numel() == 100 and head_room(buf).numel() == HEAD_ROOM == CTRL_BYTES
+    head_room(buf).fill_(7)
+    buf.fill_(1)
+    assert int(head_room(buf).sum()) == 7 * HEAD_ROOM  # the payload does not overlap it
+    with pytest.raises(ValueError, match="payload_buffer"):
+        head_room(torch.empty(100, dtype=torch.uint8))
+
+
+def _solo() -> Transport:
+    return Transport(0, lambda r: f"rank {r}")
+
+
+def _inline_push(transport: Transport, numel: int, key: int, step: int) -> torch.Tensor:
+    payload = build("none", numel).compress(torch.arange(float(numel)), key=key, step=step)
+    buf = payload_buffer(payload.numel())
+    buf.copy_(payload)
+    pack_control(Control(OP_PUSH_INLINE, key, step, 0.5, buf.numel()), head_room(buf))
+    transport.isend_inline(buf, 0, f"key {key}").wait(5, "test")
+    return payload
+
+
+def test_inline_round_trip_and_truncation_through_the_mailbox() -> None:
+    transport, msg = _solo(), torch.empty(INLINE_BYTES, dtype=torch.uint8)
+    for step, numel in enumerate((1, 1000, LIMIT)):
+        op = transport.irecv(msg, 0, CTRL_TAG, "control", "push")
+        sent = _inline_push(transport, numel, key=9, step=step)
+        op.wait(5, "test")
+        ctrl = unpack_control(msg[:CTRL_BYTES])
+        assert (ctrl.op, ctrl.key, ctrl.step, ctrl.lr, ctrl.nbytes) == \
+            (OP_PUSH_INLINE, 9, step, 0.5, sent.numel())
+        got = inline_payload(msg, ctrl.nbytes)
+        assert got is not None and torch.equal(got, sent)
+    # the same message again, cut short: the last good trailer was wiped, so it cannot pass
+    op = transport.irecv(msg, 0, CTRL_TAG, "control", "push")
+    transport.isend(msg[:HEAD_ROOM + sent.numel() - 100].clone(), 0, CTRL_TAG, "cut", "push")
+    op.wait(5, "test")
+    assert inline_payload(msg, sent.numel()) is None
+    assert inline_payload(msg, INLINE_BYTES) is None  # a size that cannot be inline
+
+
+def test_inline_send_too_large_and_mailbox_sizes() -> None:
+    transport = _solo()
+    big = payload_buffer(build("none", LIMIT + 1).payload_bytes)
+    with pytest.raises(ValueError, match="do not fit"):
+        transport.isend_inline(big, 0, "key 1")
+    transport.irecv(torch.empty(8, dtype=torch.uint8), 0, 5, "small", "push")
+    with pytest.raises(PeerError, match="16 bytes sent, receive buffer holds 8"):
+        transport.isend(torch.zeros(16, dtype=torch.uint8), 0, 5, "big", "push")
+
+
+JOB = textwrap.dedent('''
+    import sys
+    import torch
+    import gradpress as gp
+
+    limit = int(sys.argv[2])
+    gp.init()
+    r, W = gp.rank(), gp.size()
+    sizes = [1, limit, limit + 1, 3 * limit]  # inline, inline, two messages, two messages
+    for step in range(3):
+        def make(w, i):
+            g = torch.Generator().manual_seed(1000 * step + 10 * i + w)
+            return torch.randn(sizes[i], generator=g)
+        hs = [gp.push_pull_async(make(r, i), f"t{i}", min_compress_bytes=1 << 30)
+              for i in range(len(sizes))]
+        for i, h in enumerate(hs):
+            ref = sum(make(w, i) for w in range(W)) / W
+            assert torch.equal(h.wait().view(torch.int32), ref.view(torch.int32)), (i, step)
+    gp.shutdown()
+    open(sys.argv[1] + f"/ok{r}", "w").close()
+''')
+
+
+def test_pushes_on_both_sides_of_the_limit_sum_exactly_over_gloo(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = dict(os.environ, GRADPRESS_TIMEOUT="60", OMP_NUM_THREADS="1",
+               GRADPRESS_PARTITION_BYTES=str(16 * LIMIT))
+    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
+           "--", sys.executable, str(script), str(tmp_path), str(LIMIT)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
