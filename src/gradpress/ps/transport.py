@@ -350,6 +350,14 @@ class ByteBudget:
                                        f"in flight)", key=what, stage="budget")
             self.used += n
 
+    def try_acquire(self, n: int) -> bool:
+        """Take ``n`` bytes if there is room now (False after :meth:`abort`)."""
+        with self._cond:
+            if self.error is not None or (self.used and self.used + n > self.limit):
+                return False
+            self.used += n
+            return True
+
     def release(self, n: int) -> None:
         with self._cond:
             self.used -= n

@@ -2,16 +2,21 @@
 
 For each tensor: look up (or create) its plan, cut it into chunks, and per chunk:
 
-1. dispatch: a dispatcher thread takes chunks in submission order and waits for room in the
-   in-flight byte budget (``inflight_bytes``);
+1. dispatch, in submission order: a chunk takes room in the in-flight byte budget
+   (``inflight_bytes``) and goes to the thread pool; ``submit`` does this itself while there
+   is room and nothing queued, otherwise a dispatcher thread waits for room (the caller never
+   blocks on the budget);
 2. compress on the thread pool with the chunk's worker codec (error feedback / momentum state
    lives here, per key), into the chunk's send buffer;
 3. pre-post the receive of the server's reply, announce the push on the control tag, and send
-   the payload on the key's tag (a small payload travels inline, in the control message's
-   message: :mod:`gradpress.ps.protocol`);
-4. a receiver thread waits for replies in push order and hands each to the pool;
-5. decompress the reply into the chunk's slice of the output tensor (reassembly); the server
+   the payload on the key's tag (a small payload travels inline, in one message with its
+   announcement: :mod:`gradpress.ps.protocol`);
+4. a receiver thread waits for replies in push order, and
+5. decompresses each into the chunk's slice of the output tensor (reassembly); the server
    already averaged, so when the last chunk lands the handle completes.
+
+Each chunk changes threads twice (to the pool, to the receiver): on small chunks a hand-off
+costs more CPU than the codec (``benchmarks/per_chunk.py``).
 
 Chunks of different tensors overlap: while chunk i is on the wire, chunk i+1 is compressed.
 A new ``push_pull`` of a name waits for the previous one of the same name (each key has one
@@ -120,11 +125,13 @@ class WorkerEngine:
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
         self.checkpoint = WorkerCheckpoint(self)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue_lock = threading.Lock()
+        self._queued = 0  # chunks queued for the dispatcher
         self._recv_q: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._loop, args=(self._dispatch_q,
                                           self._dispatch), name="gp-dispatch", daemon=True),
                          threading.Thread(target=self._loop, args=(self._recv_q,
-                                          self._receive), name="gp-receive", daemon=True)]
+                                          self._received), name="gp-receive", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -161,8 +168,8 @@ class WorkerEngine:
         lr = None if lr is None else float(lr)
         for chunk, off in zip(plan.chunks, plan.offsets):
             n = chunk.desc.numel
-            self._dispatch_q.put(ChunkJob(chunk, flat[off:off + n], out[off:off + n], handle, lr,
-                                          stream, ready))
+            self._enqueue(ChunkJob(chunk, flat[off:off + n], out[off:off + n], handle, lr,
+                                   stream, ready))
         if not plan.chunks:
             handle._chunk_done()
         return handle
@@ -333,7 +340,7 @@ class WorkerEngine:
             job = q.get()
             if job is None:
                 return
-            self._guard(fn, job)
+            fn(job)
 
     def _guard(self, fn: Callable[[ChunkJob], None], job: ChunkJob) -> None:
         if self._error is not None:
@@ -344,9 +351,29 @@ class WorkerEngine:
         except BaseException as e:  # noqa: BLE001 - fatal: fail every pending handle
             self.fail(e)
 
-    def _dispatch(self, job: ChunkJob) -> None:  # step 1
+    def _enqueue(self, job: ChunkJob) -> None:  # step 1, on the caller's thread
+        with self._queue_lock:  # in order: directly only when nothing waits in the queue
+            direct = self._queued == 0 and self._budget.try_acquire(job.chunk.nbytes)
+            if not direct:
+                self._queued += 1
+        if direct:
+            self._guard(self._start, job)
+        else:
+            self._dispatch_q.put(job)
+
+    def _dispatch(self, job: ChunkJob) -> None:  # step 1, on the dispatcher thread
+        try:
+            self._guard(self._admit, job)
+        finally:  # after the start: later chunks go directly only once this one went
+            with self._queue_lock:
+                self._queued -= 1
+
+    def _admit(self, job: ChunkJob) -> None:
+        self._budget.acquire(job.chunk.nbytes, self.cfg.timeout, job.chunk.label)
+        self._start(job)
+
+    def _start(self, job: ChunkJob) -> None:
         n = job.chunk.nbytes
-        self._budget.acquire(n, self.cfg.timeout, job.chunk.label)
         job.send, job.recv = self._buffers.take(n), self._buffers.take(n)  # framed (transport)
         job.step = job.chunk.step
         job.chunk.step += 1
@@ -373,13 +400,16 @@ class WorkerEngine:
         self.tracer.add("compress", t0, t1, key=chunk.key, step=job.step, name=chunk.desc.name,
                         chunk=chunk.desc.chunk)
 
+    def _received(self, job: ChunkJob) -> None:
+        self._guard(self._receive, job)
+
     def _receive(self, job: ChunkJob) -> None:  # step 4
         t0 = time.perf_counter()
         job.recv_op.wait(self.cfg.timeout, "pull")  # type: ignore[union-attr]
         t1 = time.perf_counter()
         self.account(wait_s=t1 - t0)
         self.tracer.add("push+pull", job.t_sent, t1, key=job.chunk.key, step=job.step)
-        self._pool.submit(self._guard, self._finish, job)
+        self._finish(job)
 
     def _finish(self, job: ChunkJob) -> None:  # step 5
         chunk = job.chunk
