@@ -105,7 +105,7 @@ WORKER = textwrap.dedent('''
     else:
         res["resume_dir"] = ck.resume_dir()
         runs = {cfg: make(cfg, cfg, 99) for cfg in CFGS}
-        fake = f"{out}/fake"
+        fake = f"{out}/fake{r}"  # one per worker: both write it at once
         os.makedirs(fake, exist_ok=True)
         meta = json.load(open(f"{out}/ck-onebit/meta.json"))
         json.dump({**meta, "num_workers": 3}, open(f"{fake}/meta.json", "w"))

@@ -19,13 +19,13 @@ import torch
 
 from gradpress.compress import build
 from gradpress.ps.errors import PeerError
-from gradpress.ps.protocol import CTRL_BYTES, OP_PUSH_INLINE, Control, pack_control, \
-    unpack_control
+from gradpress.ps.protocol import CTRL_BYTES, OP_PUSH_INLINE, Control, pack_control, unpack_control
 from gradpress.ps.transport import (
     CTRL_TAG,
     FRAME_BYTES,
     HEAD_ROOM,
     INLINE_BYTES,
+    ByteBudget,
     Transport,
     fits_inline,
     head_room,
@@ -91,6 +91,19 @@ def test_inline_send_too_large_and_mailbox_sizes() -> None:
         transport.isend(torch.zeros(16, dtype=torch.uint8), 0, 5, "big", "push")
 
 
+def test_byte_budget_try_acquire() -> None:
+    budget = ByteBudget(100)
+    assert budget.try_acquire(500) and budget.used == 500  # a lone oversize chunk fits
+    assert not budget.try_acquire(1)
+    budget.release(500)
+    assert budget.try_acquire(60) and not budget.try_acquire(41) and budget.try_acquire(40)
+    budget.abort(RuntimeError("engine failed"))
+    budget.release(100)
+    assert not budget.try_acquire(1)  # the dispatcher's acquire then raises the error
+    with pytest.raises(RuntimeError, match="engine failed"):
+        budget.acquire(1, 1.0, "chunk")
+
+
 JOB = textwrap.dedent('''
     import sys
     import torch
@@ -114,11 +127,14 @@ JOB = textwrap.dedent('''
 ''')
 
 
-def test_pushes_on_both_sides_of_the_limit_sum_exactly_over_gloo(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inflight", [256 << 20, 1], ids=["room", "one-chunk-budget"])
+def test_pushes_on_both_sides_of_the_limit_sum_exactly_over_gloo(tmp_path: Path,
+                                                                   inflight: int) -> None:
+    """With a budget of one byte every chunk but a lone one waits in the dispatcher's queue."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     env = dict(os.environ, GRADPRESS_TIMEOUT="60", OMP_NUM_THREADS="1",
-               GRADPRESS_PARTITION_BYTES=str(16 * LIMIT))
+               GRADPRESS_PARTITION_BYTES=str(16 * LIMIT), GRADPRESS_INFLIGHT_BYTES=str(inflight))
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
            "--", sys.executable, str(script), str(tmp_path), str(LIMIT)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
