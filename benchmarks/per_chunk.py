@@ -10,12 +10,12 @@ one chunk) with ``min_compress_bytes=0`` and ``ef="vanilla"`` (``none``: no EF),
 with ``push_pull_async`` and then waited for, as ``DistributedOptimizer`` does. After warm-up
 steps and a barrier, worker 0 reads every thread's CPU time (``/proc/self/task``) around the
 timed steps and prints it per chunk, split into the training thread (``submit``: plans,
-checks, chunking), gloo's threads (the kernel's TCP work of the messages, 3 per chunk) and the
-engine's threads (compress and decompress pool, dispatcher, receiver); then the codec kernels
+checks, chunking), gloo's threads (the kernel's TCP work of the messages: 2 per chunk, 3 above
+the inline size), the engine's threads (compress and decompress pool, dispatcher, receiver),
+and the whole machine's CPU per chunk (``/proc/stat``: both workers, the server, the kernel); then the codec kernels
 alone on the same tensors in this process (worker ``compress`` with error feedback, then
 ``decompress``), and the ratio of the engine's per-chunk CPU to that: what the runtime's
-bookkeeping (Python glue, locks, queues, message posting) costs beside the arithmetic. The
-server's process is not counted.
+bookkeeping (Python glue, locks, queues, message posting) costs beside the arithmetic.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ def _threads() -> dict[str, tuple[str, float, float]]:
     return out
 
 
+def _machine() -> tuple[float, float]:
+    """CPU seconds of the whole machine so far (all cores, every process): user, system."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    return (v[0] + v[1]) / tick, (v[2] + v[5] + v[6]) / tick
+
+
 def worker(cfg: dict) -> None:
     """One worker of the job; worker 0 writes the per-chunk CPU split to ``cfg["out"]``."""
     import torch
@@ -68,10 +76,10 @@ def worker(cfg: dict) -> None:
     for _ in range(5):
         step()
     gp.barrier()
-    th0, t0 = _threads(), time.perf_counter()
+    th0, m0, t0 = _threads(), _machine(), time.perf_counter()
     for _ in range(cfg["steps"]):
         step()
-    wall, th1 = time.perf_counter() - t0, _threads()
+    wall, th1, m1 = time.perf_counter() - t0, _threads(), _machine()
     if gp.rank() == 0:
         main = str(os.getpid())
         split = {p: [0.0, 0.0] for p in PARTS}
@@ -82,7 +90,8 @@ def worker(cfg: dict) -> None:
             split[part][1] += system - before[2]
         n = cfg["steps"] * len(ts)
         Path(cfg["out"]).write_text(json.dumps({"wall_s": wall / cfg["steps"], **{
-            k: [x / n for x in v] for k, v in split.items()}}))
+            k: [x / n for x in v] for k, v in split.items()},
+            "machine": [(b - a) / n for a, b in zip(m0, m1)]}))
     gp.shutdown()
 
 
@@ -138,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in PARTS:
         print(f"| {k} | {sum(res[k]) * 1e6:.0f} ({res[k][0] * 1e6:.0f} + {res[k][1] * 1e6:.0f}) |")
     print(f"| worker total | {total * 1e6:.0f} |")
+    m = res["machine"]
+    print(f"| whole machine: both workers, the server, the kernel | {sum(m) * 1e6:.0f} "
+          f"({m[0] * 1e6:.0f} + {m[1] * 1e6:.0f}) |")
     print(f"| codec kernels alone (compress + decompress, same tensors) | {kernels * 1e6:.0f} |")
     print(f"engine threads / codec kernels: {engine / kernels:.1f}x")
     return 0

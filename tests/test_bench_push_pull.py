@@ -72,5 +72,7 @@ def test_per_chunk_tiny_job(capsys):
             if ln.startswith("| ") and "us/chunk" not in ln}
     assert set(pc.PARTS) <= set(rows) and "worker total" in rows
     assert float(rows["worker total"]) >= 0
+    machine = rows["whole machine: both workers, the server, the kernel"]
+    assert float(machine.split()[0]) >= 0  # present and a number (ticks: a tiny job may be 0)
     assert float(rows["codec kernels alone (compress + decompress, same tensors)"]) > 0
     assert "engine threads / codec kernels:" in out

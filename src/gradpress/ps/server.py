@@ -13,7 +13,10 @@ Per key and step:
    in, and holds receive buffers only for pushes in flight); an inline push's payload came
    with its announcement and is copied into such a buffer.
 2. When all workers announced the step, the key goes to the engine thread that owns it (keys
-   are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`).
+   are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`),
+   whose payload receives may still be in flight. A key whose pushes all came inline (payloads
+   of at most 256 KiB, already copied) is reduced at once by the control thread that read its
+   last push instead: a thread hand-off costs more than such a reduce (benchmarks/per_chunk.py).
 3. The engine thread waits until the sends that used this step's reply buffer two steps ago
    have left (two reply buffers by step parity: double buffering, so a step never overwrites
    bytes still in flight), then runs :func:`reduce_pushes`: it waits for the payloads *in worker
@@ -196,9 +199,10 @@ class ServerEngine:
         self._thread_loads = [0] * cfg.engine_threads
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue()
                                                  for _ in range(cfg.engine_threads)]
-        # one accumulator per engine thread (a thread reduces one key at a time), grown to the
-        # largest key it owns: memory does not grow with the number of keys
-        self._accs = [torch.empty(0, dtype=torch.float32) for _ in range(cfg.engine_threads)]
+        # one accumulator per engine and control thread (a thread reduces one key at a time),
+        # grown to the largest key it reduced: memory does not grow with the number of keys
+        self._accs = [torch.empty(0, dtype=torch.float32)
+                      for _ in range(cfg.engine_threads + len(self.pushers))]
         # receive buffers of pending pushes: at most what the workers' budgets let fly
         self._buffers = BufferPool(len(self.pushers) * cfg.inflight_bytes)
         self._error: BaseException | None = None
@@ -312,7 +316,9 @@ class ServerEngine:
                 ready = ks.arrived == len(self.pushers)
                 if ready:
                     ks.arrived = 0
-            if ready:  # step 2: hand the key to its engine thread
+            if ready and all(op is None for op in ks.recv_ops):  # step 2: all here (inline)
+                self._reduce(ks, self.cfg.engine_threads + w)
+            elif ready:  # step 2: hand the key to its engine thread
                 self._queues[ks.thread].put(ks)
         with self._keys_lock:
             self._live_controls -= 1
@@ -360,14 +366,16 @@ class ServerEngine:
             ks = q.get()
             if ks is None or self._error is not None:
                 return
-            self._reduce(ks)
+            self._reduce(ks, i)
 
     def _accumulator(self, thread: int, numel: int) -> torch.Tensor:
         if self._accs[thread].numel() < numel:
             self._accs[thread] = torch.empty(numel, dtype=torch.float32)
         return self._accs[thread][:numel]
 
-    def _reduce(self, ks: KeyState) -> None:
+    def _reduce(self, ks: KeyState, thread: int) -> None:
+        """Steps 3-5 of key ``ks`` on ``thread`` (its accumulator: engine threads first, then
+        one per pusher's control thread)."""
         step, timeout, slot = ks.step, self.cfg.timeout, ks.step % 2
         t0 = time.perf_counter()
         for op in ks.sends[slot]:  # step 3: the reply buffer of step - 2 must have left
@@ -375,7 +383,7 @@ class ServerEngine:
         times = {"wait": time.perf_counter() - t0}
         divisor = self.cluster.layout.num_workers if ks.desc.average else 1  # also when node
         reduce_pushes(self._pushes(ks, times), ks.dec, ks.enc,  # leaders push sums
-                      self._accumulator(ks.thread, ks.desc.numel), key=ks.key, step=step,
+                      self._accumulator(thread, ks.desc.numel), key=ks.key, step=step,
                       lr=self._step_lr(ks), divisor=divisor, label=ks.label,
                       out=ks.reply[slot])
         t2 = time.perf_counter()
