@@ -1,4 +1,5 @@
-"""Inline pushes (control message, payload and trailer in one message on the control tag).
+"""Inline pushes (control message, payload and trailer in one message on the control tag), and
+the measured choice between running work here and handing it to another thread.
 
 Units: buffer layout, the size limit, the receiver's trailer check (a truncated message is
 caught, also in a buffer that held a good one before), the in-process mailbox's gloo-like
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 
 from gradpress.compress import build
 from gradpress.ps.errors import PeerError
+from gradpress.ps.handoff import HandOff
 from gradpress.ps.protocol import CTRL_BYTES, OP_PUSH_INLINE, Control, pack_control, unpack_control
 from gradpress.ps.transport import (
     CTRL_TAG,
@@ -140,3 +143,17 @@ def test_pushes_on_both_sides_of_the_limit_sum_exactly_over_gloo(tmp_path: Path,
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def test_handoff_decides_from_measured_speed_and_latency() -> None:
+    gate = HandOff(latency_s=100e-6)
+    assert gate.here(1 << 30)  # nothing measured yet: run here, and measure
+    gate.ran(1000, 10e-6)  # 10 ns a byte: work on 10,000 bytes takes the hand-off's 100 us
+    assert gate.here(9_000) and not gate.here(11_000)
+    for _ in range(100):  # hand-offs measured at about 1 ms (busy cores): more work stays here
+        gate.started(time.perf_counter() - 1e-3)
+    assert 0.9e-3 < gate.latency_s < 1.1e-3 and gate.here(90_000) and not gate.here(110_000)
+    gate.ran(0, 1.0)  # nothing to learn from empty work
+    assert gate.here(90_000)
+    with pytest.raises(ValueError, match="latency_s"):
+        HandOff(latency_s=0)

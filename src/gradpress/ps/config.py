@@ -136,8 +136,8 @@ class PSConfig:
     compress_on: str = "host"
     #: Threads of a worker's compress/decompress pool.
     compress_threads: int = field(default_factory=_default_threads)
-    #: Decode-accumulate-recompress threads of a server engine (keys balanced by bytes; a key
-    #: whose pushes all came inline is reduced on the control thread that read its last one).
+    #: Decode-accumulate-recompress threads of a server engine (keys balanced by bytes; a small
+    #: key whose pushes all came inline is reduced on the control thread that read its last).
     engine_threads: int = field(default_factory=_default_threads)
     #: torch intra-op threads set by ``init`` (None: leave torch's setting). Keep
     #: compress_threads x torch_threads <= cores of the process.

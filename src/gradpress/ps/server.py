@@ -16,7 +16,8 @@ Per key and step:
    are balanced over engine threads by bytes, :func:`~gradpress.ps.partition.assign_balanced`),
    whose payload receives may still be in flight. A key whose pushes all came inline (payloads
    of at most 256 KiB, already copied) is reduced at once by the control thread that read its
-   last push instead: a thread hand-off costs more than such a reduce (benchmarks/per_chunk.py).
+   last push instead when that is quicker than the hand-off (:class:`~gradpress.ps.handoff.
+   HandOff`, from the measured reduce speed and hand-off latency: small keys).
 3. The engine thread waits until the sends that used this step's reply buffer two steps ago
    have left (two reply buffers by step parity: double buffering, so a step never overwrites
    bytes still in flight), then runs :func:`reduce_pushes`: it waits for the payloads *in worker
@@ -50,6 +51,7 @@ from .checkpointing import ServerCheckpoint
 from .cluster import Cluster
 from .config import ClusterConfig, PSConfig
 from .errors import ConfigMismatchError, GradpressError, PayloadError
+from .handoff import HandOff
 from .partition import assign_balanced
 from .protocol import (
     CTRL_BYTES,
@@ -208,6 +210,7 @@ class ServerEngine:
         self._error: BaseException | None = None
         self._stopped = threading.Event()
         self._live_controls = len(self.pushers)
+        self._handoff = HandOff()  # reduce an inline key on its control thread, or hand it over
         self._threads: list[threading.Thread] = []
         self.stats = {"bytes_received": 0, "bytes_sent": 0, "steps": 0, "decode_s": 0.0,
                       "compress_s": 0.0, "wait_s": 0.0}
@@ -316,10 +319,12 @@ class ServerEngine:
                 ready = ks.arrived == len(self.pushers)
                 if ready:
                     ks.arrived = 0
-            if ready and all(op is None for op in ks.recv_ops):  # step 2: all here (inline)
-                self._reduce(ks, self.cfg.engine_threads + w)
-            elif ready:  # step 2: hand the key to its engine thread
-                self._queues[ks.thread].put(ks)
+            if not ready:
+                continue
+            if all(op is None for op in ks.recv_ops) and self._handoff.here(4 * ks.desc.numel):
+                self._reduce(ks, self.cfg.engine_threads + w)  # step 2: all here (inline)
+            else:  # step 2: hand the key to its engine thread
+                self._queues[ks.thread].put((ks, time.perf_counter()))
         with self._keys_lock:
             self._live_controls -= 1
             if self._live_controls == 0:
@@ -363,9 +368,11 @@ class ServerEngine:
     def _engine_loop(self, i: int) -> None:
         q = self._queues[i]
         while True:
-            ks = q.get()
-            if ks is None or self._error is not None:
+            item = q.get()
+            if item is None or self._error is not None:
                 return
+            ks, handed_at = item
+            self._handoff.started(handed_at)
             self._reduce(ks, i)
 
     def _accumulator(self, thread: int, numel: int) -> torch.Tensor:
@@ -387,6 +394,7 @@ class ServerEngine:
                       lr=self._step_lr(ks), divisor=divisor, label=ks.label,
                       out=ks.reply[slot])
         t2 = time.perf_counter()
+        self._handoff.ran(4 * ks.desc.numel, t2 - t0 - times["wait"])
         for w, buf in enumerate(ks.recv):  # decoded: the pushes' buffers go back to the pool
             self._buffers.give(buf)  # type: ignore[arg-type]
             ks.recv[w] = None

@@ -11,12 +11,11 @@ For each tensor: look up (or create) its plan, cut it into chunks, and per chunk
 3. pre-post the receive of the server's reply, announce the push on the control tag, and send
    the payload on the key's tag (a small payload travels inline, in one message with its
    announcement: :mod:`gradpress.ps.protocol`);
-4. a receiver thread waits for replies in push order, and
-5. decompresses each into the chunk's slice of the output tensor (reassembly); the server
+4. a receiver thread waits for replies in push order;
+5. decompress each reply into the chunk's slice of the output tensor (reassembly): the
+   receiver does it itself when that is quicker than handing it back to the pool
+   (:class:`~gradpress.ps.handoff.HandOff`: small chunks), else the pool does; the server
    already averaged, so when the last chunk lands the handle completes.
-
-Each chunk changes threads twice (to the pool, to the receiver): on small chunks a hand-off
-costs more CPU than the codec (``benchmarks/per_chunk.py``).
 
 Chunks of different tensors overlap: while chunk i is on the wire, chunk i+1 is compressed.
 A new ``push_pull`` of a name waits for the previous one of the same name (each key has one
@@ -79,6 +78,7 @@ from .checkpointing import WorkerCheckpoint
 from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError, KeyCollisionError
+from .handoff import HandOff
 from .partition import assign_balanced, chunk_key, chunk_layout
 from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, KeyDescriptor, pack_control
 from .trace import Tracer
@@ -123,6 +123,7 @@ class WorkerEngine:
         self._streams: dict[int | None, Any] = {}  # CUDA copy stream per device index
         self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
+        self._decode = HandOff()  # decode on the receiver, or on the pool
         self.checkpoint = WorkerCheckpoint(self)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
@@ -342,12 +343,12 @@ class WorkerEngine:
                 return
             fn(job)
 
-    def _guard(self, fn: Callable[[ChunkJob], None], job: ChunkJob) -> None:
+    def _guard(self, fn: Callable[..., None], job: ChunkJob, *args: Any) -> None:
         if self._error is not None:
             job.handle._set_error(self._error)
             return
         try:
-            fn(job)
+            fn(job, *args)
         except BaseException as e:  # noqa: BLE001 - fatal: fail every pending handle
             self.fail(e)
 
@@ -409,14 +410,20 @@ class WorkerEngine:
         t1 = time.perf_counter()
         self.account(wait_s=t1 - t0)
         self.tracer.add("push+pull", job.t_sent, t1, key=job.chunk.key, step=job.step)
-        self._finish(job)
+        if self._decode.here(4 * job.chunk.desc.numel):
+            self._finish(job)
+        else:
+            self._pool.submit(self._guard, self._finish, job, t1)
 
-    def _finish(self, job: ChunkJob) -> None:  # step 5
+    def _finish(self, job: ChunkJob, handed_at: float | None = None) -> None:  # step 5
         chunk = job.chunk
+        if handed_at is not None:
+            self._decode.started(handed_at)
         for op in job.ops:  # complete already: the server replied after receiving them
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
         done = decode_chunk(job, self.cfg.compress_on == "device", self._pinned)
+        self._decode.ran(4 * chunk.desc.numel, time.perf_counter() - t0)
         self._buffers.give(job.send)  # type: ignore[arg-type]
         self._buffers.give(job.recv)  # type: ignore[arg-type]
         job.send = job.recv = None
