@@ -12,10 +12,11 @@ steps and a barrier, worker 0 reads every thread's CPU time (``/proc/self/task``
 timed steps and prints it per chunk, split into the training thread (``submit``: plans,
 checks, chunking), gloo's threads (the kernel's TCP work of the messages: 2 per chunk, 3 above
 the inline size), the engine's threads (compress and decompress pool, dispatcher, receiver),
-and the whole machine's CPU per chunk (``/proc/stat``: both workers, the server, the kernel); then the codec kernels
-alone on the same tensors in this process (worker ``compress`` with error feedback, then
-``decompress``), and the ratio of the engine's per-chunk CPU to that: what the runtime's
-bookkeeping (Python glue, locks, queues, message posting) costs beside the arithmetic.
+and the whole machine's CPU per chunk (``/proc/stat``: both workers, the server, the kernel);
+then the codec kernels alone on the same tensors in this process (worker ``compress`` with
+error feedback, then ``decompress``), and the ratio of the engine's per-chunk CPU to that:
+what the runtime's bookkeeping (Python glue, locks, queues, message posting) costs beside the
+arithmetic.
 """
 
 from __future__ import annotations
