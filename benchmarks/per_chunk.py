@@ -50,19 +50,16 @@ def _threads() -> dict[str, tuple[str, float, float]]:
     return out
 
 
-def _machine() -> tuple[float, float]:
-    """CPU seconds of the whole machine so far (all cores, every process): user, system."""
-    tick = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
-    return (v[0] + v[1]) / tick, (v[2] + v[5] + v[6]) / tick
-
-
 def worker(cfg: dict) -> None:
     """One worker of the job; worker 0 writes the per-chunk CPU split to ``cfg["out"]``."""
     import torch
 
     import gradpress as gp
+    from cluster_worker import cpu_counters  # this script's directory is on sys.path
+
+    def _machine() -> tuple[float, float]:  # the whole machine's user and system seconds
+        c = cpu_counters()
+        return c["machine_user"], c["machine_sys"]
 
     gp.init()
     ts = [torch.randn(n) for n in _sizes(cfg["tensors"], cfg["kib"])]
