@@ -21,7 +21,7 @@ from ..compress.registry import pick_ef
 from ..compress.spec import CodecSpec, EFSpec, parse_ef, parse_spec
 from .config import PSConfig
 from .errors import CommTimeoutError
-from .protocol import CTRL_BYTES, KeyDescriptor, decode_reply
+from .protocol import KeyDescriptor, decode_reply
 from .transport import Transfer
 
 __all__ = ["resolve_codec", "check_out", "flat_fp32", "host_buffer", "on_stream", "PinnedKeeper",
@@ -253,7 +253,7 @@ class Handle:
 
 @dataclass
 class ChunkState:
-    """Per-key state on the worker: descriptor, codecs, buffers and step counter."""
+    """Per-key state on the worker: descriptor, codecs, payload size and step counter."""
 
     key: int
     desc: KeyDescriptor
@@ -262,8 +262,6 @@ class ChunkState:
     enc: Codec
     dec: Codec
     nbytes: int  # payload bytes each way (the wire buffers are lent per step by the pool)
-    ctrl: torch.Tensor = field(default_factory=lambda: torch.empty(CTRL_BYTES,
-                                                                     dtype=torch.uint8))
     step: int = 0
 
     @property

@@ -386,15 +386,12 @@ class WorkerEngine:
         t1 = time.perf_counter()
         dst, label = chunk.server_rank, chunk.label
         job.recv_op = self.transport.irecv(job.recv, dst, chunk.key, label, "pull")
-        if fits_inline(chunk.nbytes):  # one message: control, payload, trailer
-            pack_control(Control(OP_PUSH_INLINE, chunk.key, job.step, job.lr, chunk.nbytes),
-                         head_room(send))
-            job.ops = [self.transport.isend_inline(send, dst, label)]
-        else:
-            pack_control(Control(OP_PUSH, chunk.key, job.step, job.lr, chunk.nbytes),
-                         chunk.ctrl)
-            job.ops = [self.transport.isend(chunk.ctrl, dst, CTRL_TAG, label, "push"),
-                       self.transport.isend(send, dst, chunk.key, label, "push")]
+        inline = fits_inline(chunk.nbytes)  # one message: control, payload, trailer
+        ctrl = pack_control(Control(OP_PUSH_INLINE if inline else OP_PUSH, chunk.key, job.step,
+                                    job.lr, chunk.nbytes), head_room(send))
+        job.ops = [self.transport.isend_inline(send, dst, label)] if inline else [
+            self.transport.isend(ctrl, dst, CTRL_TAG, label, "push"),
+            self.transport.isend(send, dst, chunk.key, label, "push")]
         job.t_sent = t2 = time.perf_counter()
         self._recv_q.put(job)
         self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=chunk.nbytes, chunks=1)
