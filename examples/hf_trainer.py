@@ -92,6 +92,8 @@ def main() -> None:
     if rank == 0:
         print(f"hook: {stats['compressed_buckets']} buckets compressed, {stats['payload_bytes']} "
               f"payload bytes for {stats['dense_bytes']} fp32 bytes", flush=True)
+    if torch.distributed.is_initialized():  # before exit: gloo's threads end with the group
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
