@@ -17,6 +17,7 @@ losses, a hash of its parameters, the hook's counters), and checkpoints go to
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import inspect
 import json
@@ -92,9 +93,24 @@ def main() -> None:
     if rank == 0:
         print(f"hook: {stats['compressed_buckets']} buckets compressed, {stats['payload_bytes']} "
               f"payload bytes for {stats['dense_bytes']} fp32 bytes", flush=True)
-    if torch.distributed.is_initialized():  # before exit: gloo's threads end with the group
-        torch.distributed.destroy_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the process group and wait for gloo's threads to end, before Python exits.
+
+    A gloo thread that drops the last reference to a Python tensor (the Trainer gathers its
+    losses into temporary tensors) takes the GIL to free it; if the interpreter is already
+    shutting down, CPython ends that thread with ``pthread_exit`` and the process aborts with
+    "terminate called without an active exception" (pytorch/pytorch#117762). Dropping the
+    group's last reference from Python joins its threads with the GIL released."""
+    if not torch.distributed.is_initialized():
+        return
+    group = torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+    gc.collect()  # the Trainer's DDP wrapper (its reducer holds the group) is in a cycle
+    del group  # the last reference: gloo's threads are joined here
 
 
 if __name__ == "__main__":
     main()
+    end_process_group()
