@@ -284,7 +284,7 @@ def server_row(chunks: int, reps: int) -> str:
     divisor 2): the fused path (``Codec.compress_sum``) and the generic one (decode-add into
     ``acc``, divide, compress), as ratios to a copy of the chunk; out of cache: ``chunks``
     distinct chunks (pushes, residuals, copy buffers) per round, rounds interleaved, median."""
-    from gradpress.ps.server import reduce_pushes
+    from gradpress.ps.reduce import reduce_pushes
     n, gen = 1 << 20, torch.Generator().manual_seed(2)
     worker = build("onebit", n, ef="vanilla")
     pushes = [[worker.compress(torch.randn(n, generator=gen), key=1) for _ in range(2)]

@@ -90,7 +90,7 @@ WORKER = textwrap.dedent('''
     res["state_devices_after"] = sorted({str(t.device) for st in opt.state.values()
                                          for t in st.values() if isinstance(t, torch.Tensor)})
     res["residual_devices"] = sorted({str(c.enc.residual.device)
-                                      for p in _rt().worker._plans.values() for c in p.chunks
+                                      for p in _rt().worker.plans().values() for c in p.chunks
                                       if getattr(c.enc, "residual", None) is not None})
     res["rng_equal"] = torch.equal(torch.cuda.get_rng_state(), rng)
     res["device"] = str(dev)

@@ -38,7 +38,7 @@ from torch import nn
 
 from gradpress.compress import build, codec_names
 from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
-from gradpress.ps.server import reduce_pushes
+from gradpress.ps.reduce import reduce_pushes
 
 WORLD = 2
 SPEC = "onebit" if "onebit" in codec_names() else "topk:k=0.1"

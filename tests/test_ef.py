@@ -18,7 +18,7 @@ from gradpress.compress.header import Header
 from gradpress.compress.momentum import NesterovMomentum
 from gradpress.compress.registry import ef_needs_lr
 from gradpress.ps.errors import PayloadError
-from gradpress.ps.server import reduce_pushes
+from gradpress.ps.reduce import reduce_pushes
 
 N = 1000
 KEY = 3
@@ -414,7 +414,7 @@ def test_efspec_fields_are_checked_and_none_means_off():
         build("onebit:ef=vanilla", N, ef=EFSpec(kind="corrected"))
 
 
-# -- the server's reduce (gradpress.ps.server.reduce_pushes) ---------------------------------
+# -- the server's reduce (gradpress.ps.reduce.reduce_pushes) ---------------------------------
 def _reduce(dec, enc, pushes, *, step=0, lr=None, divisor=1, acc=None):
     acc = torch.full((dec.numel,), float("nan")) if acc is None else acc  # overwritten
     return reduce_pushes([(f"worker{i}", p) for i, p in enumerate(pushes)], dec, enc, acc,

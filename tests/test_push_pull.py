@@ -32,7 +32,7 @@ WORKER = textwrap.dedent('''
     import gradpress as gp
     from gradpress.compress import build, parse_ef
     from gradpress.ps.partition import chunk_key, chunk_layout
-    from gradpress.ps.server import reduce_pushes
+    from gradpress.ps.reduce import reduce_pushes
 
     out_dir, modes = sys.argv[1], sys.argv[2].split(",")
     PART = int(os.environ["GRADPRESS_PARTITION_BYTES"])
@@ -477,14 +477,15 @@ def test_call_options_are_parsed_once_per_distinct_options(monkeypatch) -> None:
     """The optimizer passes the same options for every tensor of every step: they are parsed
     and validated once (dict specs, unhashable, every time), and a cached entry still rejects
     what it rejected the first time."""
-    from gradpress.ps import worker as W
+    from types import SimpleNamespace
+
+    from gradpress.ps import planning as P
     from gradpress.ps.config import PSConfig
 
-    eng = object.__new__(W.WorkerEngine)  # only cfg and the two caches are used here
-    eng.cfg, eng._resolved, eng._valid_specs = PSConfig(), {}, set()
+    eng = P.Planner(SimpleNamespace(layout=SimpleNamespace(num_servers=1)), PSConfig())
     seen: list[object] = []
-    real = W.resolve_codec
-    monkeypatch.setattr(W, "resolve_codec", lambda c, e, cfg: seen.append(c) or real(c, e, cfg))
+    real = P.resolve_codec
+    monkeypatch.setattr(P, "resolve_codec", lambda c, e, cfg: seen.append(c) or real(c, e, cfg))
     for _ in range(3):
         eng.check_call("t", "onebit", "vanilla")
     assert seen == ["onebit"]
@@ -496,7 +497,7 @@ def test_call_options_are_parsed_once_per_distinct_options(monkeypatch) -> None:
             eng.check_call("t", "onebit", "corrected")
         with pytest.raises(ValueError, match="nosuch"):
             eng.check_call("t", "nosuch", None)
-    assert eng._resolve("onebit", "vanilla") is eng._resolve("onebit", "vanilla")
+    assert eng.resolve("onebit", "vanilla") is eng.resolve("onebit", "vanilla")
 
 
 def test_a_host_reply_is_judged_finite_from_its_bytes(monkeypatch) -> None:

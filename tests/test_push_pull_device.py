@@ -53,7 +53,7 @@ WORKER = textwrap.dedent('''
         return t.detach().reshape(-1).to("cpu", torch.float32).view(torch.int32)
 
     def codecs(name):
-        return [cs.enc for cs in engine._plans[name].chunks]
+        return [cs.enc for cs in engine.plans()[name].chunks]
 
     results = {}
 
@@ -183,7 +183,7 @@ CUDA_WORKER = textwrap.dedent('''
     from gradpress.api import _rt
     from gradpress.compress import build, parse_ef
     from gradpress.ps.partition import chunk_key, chunk_layout
-    from gradpress.ps.server import reduce_pushes
+    from gradpress.ps.reduce import reduce_pushes
 
     out_dir, part = sys.argv[1], sys.argv[2]
     MODE = os.environ["GRADPRESS_COMPRESS_ON"]
@@ -361,7 +361,7 @@ CUDA_WORKER = textwrap.dedent('''
                 ys = [h.wait() for h in hs]
             torch.cuda.synchronize()
             assert all(bool(torch.isfinite(y).all()) for y in ys)
-            chunks = sum(len(_rt().worker._plans[f"sync/{s}"].chunks) for s, _, _ in specs)
+            chunks = sum(len(_rt().worker.plans()[f"sync/{s}"].chunks) for s, _, _ in specs)
             return chunks, [str(w.message) for w in warned if "synchroniz" in str(w.message)]
 
         run(0)  # plans, codec state, pinned blocks, the copy stream: not per chunk

@@ -341,7 +341,7 @@ HOSTILE_GLOO = textwrap.dedent('''
         for step in range(100000):
             gp.push_pull(torch.ones(4096), "x")
     rt = api._RT  # worker 1: declares "x" as an honest worker would, then pushes a short message
-    cs = rt.worker._plan("x", 4096, True, None, None, None, None).chunks[0]
+    cs = rt.worker.planner.plan("x", 4096, True, None, None, None, None).chunks[0]
     good = cs.enc.compress(torch.ones(4096), key=cs.key, step=0)
     dst = cs.server_rank
     if os.environ["HOSTILE_MODE"] == "inline":  # control and payload in one message, cut short

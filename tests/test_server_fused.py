@@ -21,7 +21,7 @@ from gradpress.compress.ef import parse_ef
 from gradpress.compress.header import HEADER_BYTES
 from gradpress.compress.kernels.onebit import BLOCK
 from gradpress.ps.errors import PayloadError
-from gradpress.ps.server import reduce_pushes
+from gradpress.ps.reduce import reduce_pushes
 
 KEY = 3
 EFS = (None, "vanilla", "vanilla:decay=0.7", "corrected")

@@ -7,7 +7,7 @@ another process and is checked before use, with the parameter-server checks of
 the sending rank, the bucket index and shard, and what was wrong:
 
 1. pushes a rank serves as the owner of a shard (step 4), by the parameter server's own
-   :func:`~gradpress.ps.server.reduce_pushes`: codec header (magic, version, codec id, numel,
+   :func:`~gradpress.ps.reduce.reduce_pushes`: codec header (magic, version, codec id, numel,
    config fingerprint, size, the expected key and step) before each decode, then the codec's
    own decode checks; the average must be finite, which the server codec's recompression checks
    (no extra pass): if it is not, the pushes are re-added in rank order to name the first sender
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .compress.header import HEADER_BYTES, Header, pack_header
 from .ps.errors import PayloadError
 from .ps.protocol import decode_reply
-from .ps.server import reduce_pushes
+from .ps.reduce import reduce_pushes
 
 if TYPE_CHECKING:
     from .compress import Codec
@@ -233,7 +233,7 @@ def _check_pushes_marked(ex: BucketExchange, pushes: list[tuple[str, torch.Tenso
 
 
 def reduce_shard(ex: BucketExchange, lr: float | None) -> None:
-    """Step 4: the server side of this rank's shard, :func:`~gradpress.ps.server.reduce_pushes`
+    """Step 4: the server side of this rank's shard, :func:`~gradpress.ps.reduce.reduce_pushes`
     (validate and decode-add every rank's push in rank order, average, recompress into ``agg``).
 
     On a :class:`PayloadError` ``agg`` holds an abort record naming the rejected sender, to be

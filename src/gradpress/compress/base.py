@@ -38,7 +38,7 @@ with :meth:`Codec._non_finite_error`) and leave the residual (``residual``, ``e`
   path. ``ratio`` is a Python float; ``g``, ``e``, ``spare`` are contiguous 1-D float32 tensors of
   ``numel`` (> 0) elements on one device.
 
-The server's fused reduce (:func:`gradpress.ps.server.reduce_pushes`): where the reply codec's
+The server's fused reduce (:func:`gradpress.ps.reduce.reduce_pushes`): where the reply codec's
 :meth:`Codec.fuses_sum` is True (onebit), :meth:`Codec.compress_sum` encodes the pushes' sum
 without storing it (``_step_sum``; error feedback: the codec's ``_encode_sum_ef``).
 """

@@ -3,12 +3,15 @@
 (``gradpress launch``). The modules, in the order a ``push_pull`` meets them:
 
 * :mod:`.calls`: the call's arguments checked, its plan and chunks, the handle it returns;
+* :mod:`.planning`: a tensor name's plan: chunks, keys, servers and codecs, agreed by all
+  workers;
 * :mod:`.partition`: tensors cut into chunks (keys) and spread over the servers;
 * :mod:`.worker`: the worker pipeline (compress, push, pull, decompress);
 * :mod:`.transport`: point-to-point messages, payload buffers and the in-flight budget;
 * :mod:`.protocol`: control messages, key descriptors, state requests, and the checks of
   everything a process receives;
-* :mod:`.server`: the server engine and :func:`~.server.reduce_pushes`, the server arithmetic;
+* :mod:`.server`: the server engine; :mod:`.reduce`: :func:`~.reduce.reduce_pushes`, the server
+  arithmetic (also the DDP hook's);
 * :mod:`.checkpointing`: worker and server codec state, saved and restored exactly;
 * :mod:`.hierarchy`: the optional reduce/broadcast within a node;
 * :mod:`.cluster`, :mod:`.auth`, :mod:`.config`, :mod:`.watchdog`, :mod:`.trace`,

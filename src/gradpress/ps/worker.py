@@ -1,6 +1,7 @@
 """The worker pipeline of ``push_pull`` (BytePS-Compress, Zhong et al. 2021).
 
-For each tensor: look up (or create) its plan, cut it into chunks, and per chunk:
+For each tensor: look up (or create) its plan (:mod:`gradpress.ps.planning`: chunks, keys,
+servers, codecs), and per chunk:
 
 1. dispatch, in submission order: a chunk takes room in the in-flight byte budget
    (``inflight_bytes``) and goes to the thread pool; ``submit`` does this itself while there
@@ -59,12 +60,9 @@ from typing import Any
 
 import torch
 
-from ..compress import build
-from ..compress.registry import ef_needs_lr
 from ..compress.spec import CodecSpec, EFSpec
 from .calls import (
     ChunkJob,
-    ChunkState,
     Handle,
     PinnedKeeper,
     Plan,
@@ -72,15 +70,14 @@ from .calls import (
     compress_chunk,
     decode_chunk,
     flat_fp32,
-    resolve_codec,
 )
 from .checkpointing import WorkerCheckpoint
 from .cluster import Cluster
 from .config import PSConfig
-from .errors import GradpressError, KeyCollisionError
+from .errors import GradpressError
 from .handoff import HandOff
-from .partition import assign_balanced, chunk_key, chunk_layout
-from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, KeyDescriptor, pack_control
+from .planning import Planner
+from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, pack_control
 from .trace import Tracer
 from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport, fits_inline, head_room
 
@@ -106,11 +103,6 @@ class WorkerEngine:
         self.cfg = cfg
         self.transport = transport
         self.tracer = tracer or Tracer(None, cluster.rank, f"worker {cluster.rank}")
-        self._plans: dict[str, Plan] = {}
-        self._key_owner: dict[int, str] = {}
-        self._valid_specs: set[str] = set()
-        self._resolved: dict[tuple[Any, Any], tuple[CodecSpec, dict[str, Any], bool, str]] = {}
-        self._server_loads = [0] * cluster.layout.num_servers
         self._budget = ByteBudget(cfg.inflight_bytes)
         self._buffers = BufferPool(2 * cfg.inflight_bytes)  # send + receive of what is in flight
         self._lock = threading.Lock()
@@ -125,6 +117,7 @@ class WorkerEngine:
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
         self._decode = HandOff()  # decode on the receiver, or on the pool
         self.checkpoint = WorkerCheckpoint(self)
+        self.planner = Planner(cluster, cfg, on_new=self.checkpoint.restore_pending)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
         self._queued = 0  # chunks queued for the dispatcher
@@ -149,8 +142,9 @@ class WorkerEngine:
         self._check_usable()
         flat = flat_fp32(tensor, name, keep_device=True)  # chunks are moved by the pool
         dst = None if out is None else check_out(out, flat, name)
-        plan = self._plan(name, flat.numel(), average, compression, ef, lr, min_compress_bytes)
-        self._check_device(plan, flat.device)
+        plan = self.planner.plan(name, flat.numel(), average, compression, ef, lr,
+                                 min_compress_bytes)
+        self.planner.check_device(plan, flat.device)
         if plan.last is not None and not plan.last.is_set():
             plan.last.wait(self.cfg.timeout)  # one step per key in flight
         like = tensor if out is None else out  # the result's shape, dtype and device
@@ -232,108 +226,6 @@ class WorkerEngine:
         ops = [self.transport.isend(stop, r, CTRL_TAG, "stop message", "push") for r in servers]
         for op in ops:
             op.wait(self.cfg.timeout, "shutdown")
-
-    # -- planning -------------------------------------------------------------------------------
-    def check_call(self, name: str, compression: Any, ef: str | EFSpec | None,
-                   lr: float | None = None) -> None:
-        """Validate a call's name and codec options (ValueError/TypeError), before any I/O."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"push_pull: name must be a non-empty str, got {name!r}")
-        spec, wrappers, needs_lr, sig = self._resolve(compression, ef)
-        if needs_lr and lr is None:
-            raise ValueError(f"push_pull({name!r}): ef={wrappers['ef']!r} needs the step's "
-                             f"learning rate: pass lr=...")
-        if sig not in self._valid_specs:
-            build(spec, 0, seed=self.cfg.seed, **wrappers)  # unknown codec or parameter: raise
-            self._valid_specs.add(sig)
-
-    def _resolve(self, compression: Any,
-                 ef: str | EFSpec | None) -> tuple[CodecSpec, dict[str, Any], bool, str]:
-        """``resolve_codec`` of a call's options, whether its error feedback needs the lr, and
-        its signature; parsed once per distinct (hashable) pair of options, not per call (the
-        optimizer passes the same options for every tensor of every step). Callers must not
-        modify the returned spec or dict."""
-        key: tuple[Any, Any] | None = (compression, ef)
-        try:
-            hit = self._resolved.get(key)  # type: ignore[arg-type]
-        except TypeError:  # unhashable options (a dict spec): parsed every time
-            key, hit = None, None
-        if hit is not None:
-            return hit
-        spec, wrappers = resolve_codec(compression, ef, self.cfg)
-        sig = repr((spec.name, sorted(spec.params.items()), sorted(wrappers.items())))
-        hit = (spec, wrappers, ef_needs_lr(wrappers["ef"]), sig)
-        if key is not None and len(self._resolved) < 256:
-            self._resolved[key] = hit
-        return hit
-
-    def _plan(self, name: str, numel: int, average: bool, compression: Any,
-              ef: str | EFSpec | None, lr: float | None, min_compress_bytes: int | None) -> Plan:
-        self.check_call(name, compression, ef, lr)
-        limit = self.cfg.min_compress_bytes if min_compress_bytes is None else min_compress_bytes
-        spec, wrappers = self._resolve(compression, ef)[:2]
-        if 4 * numel < limit:  # small tensors travel uncompressed (fp32, exact), no residual;
-            # worker-side momentum (dist-EF-SGDM) still applies to them, as to every tensor
-            spec = CodecSpec("none")
-            wrappers = {"ef": None, **{k: wrappers[k] for k in ("momentum", "mu")
-                                        if k in wrappers}}
-        signature = (numel, spec.name, tuple(sorted(spec.params.items())),
-                     tuple(sorted(wrappers.items())), bool(average))
-        with self._lock:
-            plan = self._plans.get(name)
-        if plan is not None and plan.signature == signature:
-            return plan
-        gen = 0 if plan is None else plan.generation + 1
-        plan = self._new_plan(name, numel, gen, spec, wrappers, bool(average), signature)
-        self.checkpoint.restore_pending(plan)  # loaded state; ValueError naming a mismatch
-        with self._lock:
-            self._plans[name] = plan
-        return plan
-
-    def _new_plan(self, name: str, numel: int, gen: int, spec: CodecSpec,
-                  wrappers: dict[str, Any], average: bool, signature: tuple) -> Plan:
-        layout = chunk_layout(numel, self.cfg.partition_bytes)
-        backend = "torch" if self.cfg.compress_on == "device" else "auto"
-        decs = [build(spec, c.numel, seed=self.cfg.seed, backend=backend) for c in layout]
-        keys = [chunk_key(name, c.index, gen) for c in layout]
-        for key, c in zip(keys, layout):
-            label = f"{name!r} chunk {c.index} generation {gen}"
-            owner = self._key_owner.setdefault(key, label)
-            if owner != label:
-                raise KeyCollisionError(f"key {key} collides: {owner} and {label} hash to the "
-                                        f"same key; rename one of the tensors")
-        proposal = assign_balanced({k: d.payload_bytes for k, d in zip(keys, decs)},
-                                   self._server_loads)
-        chunks = []
-        for key, c, dec in zip(keys, layout, decs):
-            desc = KeyDescriptor(name, gen, c.index, c.numel, numel, dec.spec_text,
-                                 wrappers["ef"], self.cfg.seed, average, proposal[key])
-            desc = self._agree(key, desc)
-            self._server_loads[desc.server] += dec.payload_bytes
-            enc = build(spec, c.numel, seed=self.cfg.seed, backend=backend, **wrappers)
-            srank = self.cluster.layout.server_rank(desc.server)
-            chunks.append(ChunkState(key, desc, srank, self.cluster.describe(srank), enc, dec,
-                                     dec.payload_bytes))
-        return Plan(name, signature, gen, numel, chunks, [c.offset for c in layout])
-
-    def _check_device(self, plan: Plan, device: torch.device) -> None:
-        """compress_on="device": a tensor's codec state stays on the device of its first call."""
-        if self.cfg.compress_on != "device":
-            return
-        if plan.device is None:
-            plan.device = device
-        elif plan.device != device:
-            raise ValueError(f"push_pull({plan.name!r}): tensor on {device}, but with "
-                             f"compress_on='device' its error-feedback state lives on "
-                             f"{plan.device} (the device of its first push_pull); expected a "
-                             f"tensor on {plan.device}")
-
-    def _agree(self, key: int, desc: KeyDescriptor) -> KeyDescriptor:
-        """First writer wins in the store; everyone else must match it (except the server)."""
-        raw = self.cluster.store.compare_set(f"k/{key}", "", desc.to_json())
-        agreed = KeyDescriptor.from_json(raw)
-        desc.check_same(agreed, key, self.cluster.describe(self.cluster.rank))
-        return agreed
 
     # -- pipeline -------------------------------------------------------------------------------
     def _loop(self, q: queue.SimpleQueue, fn: Callable[[ChunkJob], None]) -> None:
@@ -444,8 +336,12 @@ class WorkerEngine:
 
     def plans(self, names: set[str] | None = None) -> dict[str, Plan]:
         """The plans of the tensors pushed so far (``names``: only those), by name."""
-        with self._lock:
-            return {n: p for n, p in self._plans.items() if names is None or n in names}
+        return self.planner.plans(names)
+
+    def check_call(self, name: str, compression: Any, ef: str | EFSpec | None,
+                   lr: float | None = None) -> None:
+        """Validate a call's name and codec options (ValueError/TypeError), before any I/O."""
+        self.planner.check_call(name, compression, ef, lr)
 
     def check_idle(self, what: str) -> None:
         """Raise naming the tensors in flight unless no push_pull is (``what`` names the
