@@ -84,6 +84,26 @@ def test_inline_round_trip_and_truncation_through_the_mailbox() -> None:
     assert inline_payload(msg, INLINE_BYTES) is None  # a size that cannot be inline
 
 
+def test_server_names_what_is_wrong_with_an_inline_push() -> None:
+    from types import SimpleNamespace
+
+    from gradpress.ps.errors import PayloadError
+    from gradpress.ps.server import ServerEngine
+
+    server = object.__new__(ServerEngine)  # _inline uses the name only
+    server.name = "server 0"
+    msg = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+    big = SimpleNamespace(nbytes=build("none", LIMIT + 1).payload_bytes, label="'x' chunk 0")
+    with pytest.raises(PayloadError, match=rf"pushed 'x' chunk 0 \({big.nbytes} bytes\) inline, "
+                                           rf"but only payloads of at most"):
+        server._inline(msg, big, "worker 1")
+    small = SimpleNamespace(nbytes=build("none", 10).payload_bytes, label="'y' chunk 0")
+    msg[HEAD_ROOM + small.nbytes:] = 0xFF  # a wiped trailer: does not match the header
+    with pytest.raises(PayloadError, match="'y' chunk 0 from worker 1 rejected: the message is "
+                                           "truncated or corrupted"):
+        server._inline(msg, small, "worker 1")
+
+
 def test_inline_send_too_large_and_mailbox_sizes() -> None:
     transport = _solo()
     big = payload_buffer(build("none", LIMIT + 1).payload_bytes)

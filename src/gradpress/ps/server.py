@@ -67,10 +67,12 @@ from .reduce import reduce_pushes
 from .trace import Tracer, trace_path
 from .transport import (
     CTRL_TAG,
+    HEAD_ROOM,
     INLINE_BYTES,
     BufferPool,
     Transfer,
     Transport,
+    fits_inline,
     inline_payload,
     payload_buffer,
 )
@@ -275,6 +277,11 @@ class ServerEngine:
                                       f"expected step {ks.next_step[w]}")
 
     def _inline(self, buf: torch.Tensor, ks: KeyState, who: str) -> torch.Tensor:
+        if not fits_inline(ks.nbytes):
+            raise PayloadError(f"{self.name}: {who} pushed {ks.label} ({ks.nbytes} bytes) "
+                               f"inline, but only payloads of at most {INLINE_BYTES - HEAD_ROOM}"
+                               f" bytes with their trailer travel inline (a worker of another "
+                               f"gradpress version?)", key=ks.label, peer=who, stage="push")
         payload = inline_payload(buf, ks.nbytes)
         if payload is None:
             raise PayloadError(f"{self.name}: inline push of {ks.label} from {who} rejected: "
