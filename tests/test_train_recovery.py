@@ -229,6 +229,11 @@ def test_auto_resume_falls_back_past_a_corrupt_checkpoint(reference: Path,
     rep = _report(out)
     assert rep["params_sha256"] == _report(reference)["params_sha256"]
     assert rep["steps"] == STEPS  # metrics cut back to step 20, then steps 21-40 again
+    # the resumed segment's clock goes on from step 20's: time_s never falls back, and
+    # wall_s covers both segments
+    times = [r["time_s"] for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "step"]
+    assert times == sorted(times) and times[EVERY] > times[EVERY - 1] > 0, times
+    assert rep["wall_s"] >= times[-1] > times[EVERY - 1]
 
 
 def _pid(marker: str, role: str, rank: int | None = None) -> int | None:

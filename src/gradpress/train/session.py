@@ -55,7 +55,7 @@ from ..compress.registry import ef_needs_lr
 from .config import MOMENTUM_OPTIMIZERS, TrainConfig
 from .guard import DivergenceGuard, TrainingDiverged
 from .hparams import lr_factor, resolve_hparams
-from .report import MetricsWriter, codec_ratios, print_plan
+from .report import MetricsWriter, codec_ratios, print_plan, read_metrics
 
 __all__ = ["Session", "CONFIG_ENV", "STAGES", "resolve_hparams", "codec_ratios"]
 
@@ -88,8 +88,11 @@ class Session:
         self.total_steps = total_steps
         self.steps = 0
         self.run_dir = Path(run_dir or cfg.out)
-        self.writer = (MetricsWriter(self.run_dir / "metrics.jsonl", append=bool(cfg.resume))
-                       if self.rank == 0 else None)
+        metrics = self.run_dir / "metrics.jsonl"
+        # a resumed run's clock goes on from the records it appends to (cut back to its
+        # checkpoint), so time_s and wall_s cover every segment of the run
+        self._clock0 = _recorded_time(metrics) if self.rank == 0 and cfg.resume else 0.0
+        self.writer = MetricsWriter(metrics, append=bool(cfg.resume)) if self.rank == 0 else None
         self.tensorboard: Any = None  # rank 0 with cfg.tensorboard: the same records as scalars
         if self.writer is not None and cfg.tensorboard:
             from .tensorboard import SUBDIR, TensorBoardWriter
@@ -383,7 +386,7 @@ class Session:
             stages.update({k: stats[k] - self._last_stats[k] for k in _RUNTIME_STAGES})
             rec = {"kind": "step", "run": self.cfg.name, "step": self.steps, "epoch": epoch,
                    "loss": float(loss), "lr": self._lr,
-                   "time_s": now - self._t0, "step_s": now - self._last_t,
+                   "time_s": self._elapsed(now), "step_s": now - self._last_t,
                    **{k: int(stats[k] - self._last_stats[k]) for k in _BYTES},
                    "stages": stages}
             self._record(rec)
@@ -411,7 +414,7 @@ class Session:
         if higher_is_better is None:
             higher_is_better = "acc" in primary
         self._last_eval = {"kind": "eval", "run": self.cfg.name, "step": self.steps,
-                           "time_s": time.perf_counter() - self._t0,
+                           "time_s": self._elapsed(),
                            "metrics": {k: float(v) for k, v in metrics.items()},
                            "primary": primary, "higher_is_better": bool(higher_is_better)}
         if self.writer is not None:
@@ -428,7 +431,7 @@ class Session:
         self._write_plan()  # a run that ended in its dense phase: the plan it would have used
         rec = {"kind": "summary", "run": self.cfg.name, "status": "completed",
                "config": self.cfg.to_dict(), "hparams": self.hparams, "steps": self.steps,
-               "workers": self.size, "wall_s": time.perf_counter() - self._t0,
+               "workers": self.size, "wall_s": self._elapsed(),
                "setup_s": self.setup_s,
                "stages_s": {f"{k}_s": v for k, v in self.stage_s.items()},
                "replicas_identical": same, **extra}
@@ -448,13 +451,17 @@ class Session:
         if self.tensorboard is not None:
             self.tensorboard.close()
 
+    def _elapsed(self, now: float | None = None) -> float:
+        """Training seconds so far: this process's since :meth:`start`, plus those recorded by
+        the segments a resumed run continues."""
+        return self._clock0 + (time.perf_counter() if now is None else now) - self._t0
+
     def ended(self, status: str, reason: str) -> None:
         """Rank 0: record that the run stopped early with ``status`` (``interrupted`` or
         ``failed``) and why; the metrics so far stay on disk."""
         if self.writer is not None:
             self._record({"kind": "end", "run": self.cfg.name, "status": status,
-                          "reason": reason, "step": self.steps,
-                          "time_s": time.perf_counter() - self._t0})
+                          "reason": reason, "step": self.steps, "time_s": self._elapsed()})
         self.close_tensorboard()
 
     def _replicas_identical(self, model: nn.Module) -> bool:
@@ -468,3 +475,9 @@ class Session:
         every = gp.push_pull(slots, name=f"{self.cfg.name}.replica-check", average=False,
                              compression="none", ef="none")
         return bool((every == every[0]).all())
+
+
+def _recorded_time(metrics: Path) -> float:
+    """The latest ``time_s`` of the step and eval records in ``metrics`` (0.0 if none)."""
+    return max((float(r["time_s"]) for r in read_metrics(metrics)
+                if r.get("kind") in ("step", "eval") and "time_s" in r), default=0.0)
