@@ -26,6 +26,7 @@ from gradpress.train.cli import _train_config, add_train_arguments, prepare_out_
 from gradpress.train.hparams import lr_factor
 from gradpress.train.report import format_run, plot_runs, read_metrics, run_report
 from gradpress.train.session import codec_ratios
+from gradpress.train.tensorboard import available as tensorboard_available
 from test_launch import _marked
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -299,6 +300,11 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
         assert r["status"] == "completed" and r["steps"] == 2 and r["replicas_identical"]
         assert r["metric"]["name"] == "test_accuracy" and 0 <= r["metric"]["value"] <= 1
         assert (out / r["run"] / "report.json").exists()
+        events = sorted((out / r["run"] / "tensorboard").glob("events.out.tfevents.*"))
+        assert bool(events) == tensorboard_available(), r["run"]
+        assert r.get("tensorboard") == (str(out / r["run"] / "tensorboard") if events else None)
+    if tensorboard_available():
+        assert f"tensorboard --logdir {out}" in p.stdout
     none, onebit, topk = rep["runs"]
     assert none["model_ratio_vs_fp32"] < 1.01
     assert topk["compressed_ratio_vs_fp16"] > onebit["compressed_ratio_vs_fp16"] > 10

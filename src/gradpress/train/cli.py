@@ -210,6 +210,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     a("--steps", type=int, help="stop each run after this many steps (for a quick look)")
     a("--seed", type=int, default=0, help="seed of model and data order (default 0)")
     a("--no-progress", action="store_true", help="no progress bars")
+    a("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+      help="TensorBoard scalars of every run in OUT/<run>/tensorboard/ (default: when the "
+           "tensorboard package is installed)")
     a("--bandwidth", metavar="RATE", nargs="?", const=DEMO_BANDWIDTH,
       help="run the whole demo in a network namespace whose loopback is limited to RATE, a tc "
            f"rate such as 100mbit or 1gbit (default {DEMO_BANDWIDTH}; needs root, ip and tc): "
@@ -217,14 +220,16 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def demo_configs(args: argparse.Namespace, out: Path) -> list[TrainConfig]:
+def demo_configs(args: argparse.Namespace, out: Path,
+                 tensorboard: bool = False) -> list[TrainConfig]:
     """The demo's runs: digits-cnn with CLAN uncompressed, onebit and topk 0.1% fp16."""
     # no dense steps: a small CNN shows no gap without them (docs/guide.md)
     return [TrainConfig(name=name, task="digits-cnn", compression=spec, ef="vanilla",
                         optimizer="clan", lr=lr, epochs=args.epochs, steps=args.steps,
                         dense_steps=0,
                         seed=args.seed, workers=args.workers, servers=args.servers,
-                        out=str(out / name), progress=not args.no_progress)
+                        out=str(out / name), progress=not args.no_progress,
+                        tensorboard=tensorboard)
             for name, spec, lr in DEMO_RUNS]
 
 
@@ -232,8 +237,9 @@ def run_demo(args: argparse.Namespace) -> int:
     """``gradpress demo``: three digits-cnn runs in one cluster (behind a link of
     ``--bandwidth`` when given), a side-by-side table with time to accuracy, plots."""
     rate = None if args.bandwidth is None else check_bandwidth(args.bandwidth)
+    tensorboard = resolve_tensorboard(args.tensorboard)  # --tensorboard without it: an error
     out = prepare_out_dir(args.out)
-    runs = demo_configs(args, out)
+    runs = demo_configs(args, out, tensorboard)
     for cfg in runs:
         prepare_out_dir(cfg.out)
     t0 = time.perf_counter()
@@ -247,6 +253,8 @@ def run_demo(args: argparse.Namespace) -> int:
                                          "runs": reports})
     print(f"\n{summary['table']}\n\n{summary['summary']}\n\ntotal {wall:.1f} s (one cluster, "
           f"start-up included); plots and reports in {out}", flush=True)
+    if tensorboard:
+        print(f"TensorBoard, the three runs side by side: tensorboard --logdir {out}", flush=True)
     return code
 
 
