@@ -94,8 +94,9 @@ def test_server_names_what_is_wrong_with_an_inline_push() -> None:
     server.name = "server 0"
     msg = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
     big = SimpleNamespace(nbytes=build("none", LIMIT + 1).payload_bytes, label="'x' chunk 0")
+    most = INLINE_BYTES - HEAD_ROOM - FRAME_BYTES
     with pytest.raises(PayloadError, match=rf"pushed 'x' chunk 0 \({big.nbytes} bytes\) inline, "
-                                           rf"but only payloads of at most"):
+                                           rf"but only payloads of at most {most} bytes"):
         server._inline(msg, big, "worker 1")
     small = SimpleNamespace(nbytes=build("none", 10).payload_bytes, label="'y' chunk 0")
     msg[HEAD_ROOM + small.nbytes:] = 0xFF  # a wiped trailer: does not match the header

@@ -67,6 +67,7 @@ from .reduce import reduce_pushes
 from .trace import Tracer, trace_path
 from .transport import (
     CTRL_TAG,
+    FRAME_BYTES,
     HEAD_ROOM,
     INLINE_BYTES,
     BufferPool,
@@ -279,9 +280,10 @@ class ServerEngine:
     def _inline(self, buf: torch.Tensor, ks: KeyState, who: str) -> torch.Tensor:
         if not fits_inline(ks.nbytes):
             raise PayloadError(f"{self.name}: {who} pushed {ks.label} ({ks.nbytes} bytes) "
-                               f"inline, but only payloads of at most {INLINE_BYTES - HEAD_ROOM}"
-                               f" bytes with their trailer travel inline (a worker of another "
-                               f"gradpress version?)", key=ks.label, peer=who, stage="push")
+                               f"inline, but only payloads of at most "
+                               f"{INLINE_BYTES - HEAD_ROOM - FRAME_BYTES} bytes travel inline (a "
+                               f"worker of another gradpress version?)", key=ks.label, peer=who,
+                               stage="push")
         payload = inline_payload(buf, ks.nbytes)
         if payload is None:
             raise PayloadError(f"{self.name}: inline push of {ks.label} from {who} rejected: "
