@@ -176,5 +176,10 @@ def test_handoff_decides_from_measured_speed_and_latency() -> None:
     assert 0.9e-3 < gate.latency_s < 1.1e-3 and gate.here(90_000) and not gate.here(110_000)
     gate.ran(0, 1.0)  # nothing to learn from empty work
     assert gate.here(90_000)
+    # each kind of work (codec) has its own speed: fp32 decodes ten times quicker per byte
+    gate.ran(1000, 1e-6, "none")
+    assert gate.here(900_000, "none") and not gate.here(1_100_000, "none")
+    assert gate.here(90_000) and not gate.here(110_000)  # the other kind's speed is unchanged
+    assert gate.here(1 << 30, "onebit")  # not measured yet: run here, and measure
     with pytest.raises(ValueError, match="latency_s"):
         HandOff(latency_s=0)

@@ -2,9 +2,10 @@
 
 A thread hand-off (a queue, a wake-up, the other thread's start) costs CPU and latency; it
 pays off when the work is long enough for another core to take it in parallel. On small chunks
-it costs more than the work itself (``benchmarks/per_chunk.py``). :class:`HandOff` keeps two
-running averages, both measured by the engine as it goes: the seconds per byte of the work
-(every time it runs, here or there) and the latency of a hand-off (from handing a job over to
+it costs more than the work itself (``benchmarks/per_chunk.py``). :class:`HandOff` keeps
+running averages, all measured by the engine as it goes: the seconds per byte of each kind of
+work (per codec: decoding fp32 is much quicker per byte than decoding one-bit signs; measured
+every time it runs, here or there) and the latency of a hand-off (from handing a job over to
 a thread starting it). The work runs here when its predicted time is below that latency: then
 waiting for another thread would take longer than doing it.
 
@@ -34,21 +35,20 @@ class HandOff:
         if not latency_s > 0:
             raise ValueError(f"latency_s must be > 0, got {latency_s!r}")
         self.latency_s = latency_s
-        self.per_byte_s = 0.0  # unknown: the first run happens here, and measures it
-        self._measured = False
+        self.per_byte_s: dict[str, float] = {}  # by kind; unknown: the first run is here
 
-    def here(self, nbytes: int) -> bool:
-        """Whether work on ``nbytes`` should run on the calling thread."""
-        return self.per_byte_s * nbytes < self.latency_s
+    def here(self, nbytes: int, kind: str = "") -> bool:
+        """Whether work of ``kind`` (e.g. its codec) on ``nbytes`` should run on the calling
+        thread."""
+        return self.per_byte_s.get(kind, 0.0) * nbytes < self.latency_s
 
-    def ran(self, nbytes: int, seconds: float) -> None:
-        """Record that work on ``nbytes`` took ``seconds`` (on whichever thread)."""
+    def ran(self, nbytes: int, seconds: float, kind: str = "") -> None:
+        """Record that work of ``kind`` on ``nbytes`` took ``seconds`` (on whichever thread)."""
         if nbytes <= 0:
             return
-        if not self._measured:
-            self.per_byte_s, self._measured = seconds / nbytes, True
-        else:
-            self.per_byte_s += _ALPHA * (seconds / nbytes - self.per_byte_s)
+        old = self.per_byte_s.get(kind)
+        new = seconds / nbytes
+        self.per_byte_s[kind] = new if old is None else old + _ALPHA * (new - old)
 
     def started(self, handed_at: float) -> None:
         """Record that a job handed over at ``handed_at`` (``time.perf_counter()``) starts now."""

@@ -259,7 +259,8 @@ class ServerEngine:
                     ks.arrived = 0
             if not ready:
                 continue
-            if all(op is None for op in ks.recv_ops) and self._handoff.here(4 * ks.desc.numel):
+            inline = all(op is None for op in ks.recv_ops)
+            if inline and self._handoff.here(4 * ks.desc.numel, ks.desc.spec):
                 self._reduce(ks, self.cfg.engine_threads + w)  # step 2: all here (inline)
             else:  # step 2: hand the key to its engine thread
                 self._queues[ks.thread].put((ks, time.perf_counter()))
@@ -338,7 +339,7 @@ class ServerEngine:
                       lr=self._step_lr(ks), divisor=divisor, label=ks.label,
                       out=ks.reply[slot])
         t2 = time.perf_counter()
-        self._handoff.ran(4 * ks.desc.numel, t2 - t0 - times["wait"])
+        self._handoff.ran(4 * ks.desc.numel, t2 - t0 - times["wait"], ks.desc.spec)
         for w, buf in enumerate(ks.recv):  # decoded: the pushes' buffers go back to the pool
             self._buffers.give(buf)  # type: ignore[arg-type]
             ks.recv[w] = None

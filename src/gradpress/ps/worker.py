@@ -299,7 +299,7 @@ class WorkerEngine:
         t1 = time.perf_counter()
         self.account(wait_s=t1 - t0)
         self.tracer.add("push+pull", job.t_sent, t1, key=job.chunk.key, step=job.step)
-        if self._decode.here(4 * job.chunk.desc.numel):
+        if self._decode.here(4 * job.chunk.desc.numel, job.chunk.desc.spec):
             self._finish(job)
         else:
             self._pool.submit(self._guard, self._finish, job, t1)
@@ -312,7 +312,7 @@ class WorkerEngine:
             op.wait(self.cfg.timeout, "push")
         t0 = time.perf_counter()
         done = decode_chunk(job, self.cfg.compress_on == "device", self._pinned)
-        self._decode.ran(4 * chunk.desc.numel, time.perf_counter() - t0)
+        self._decode.ran(4 * chunk.desc.numel, time.perf_counter() - t0, chunk.desc.spec)
         self._buffers.give(job.send)  # type: ignore[arg-type]
         self._buffers.give(job.recv)  # type: ignore[arg-type]
         job.send = job.recv = None
