@@ -24,8 +24,9 @@ _ALPHA = 0.1
 
 
 class HandOff:
-    """The decision and its two measurements (thread-safe enough: each update is one float
-    store; a lost update only delays the averages).
+    """The decision and its measurements: the hand-off latency, and seconds per byte by kind
+    of work (thread-safe enough: each update is one float or dict-item store; a lost update
+    only delays the averages).
 
     Args:
         latency_s: the hand-off latency assumed before one was measured.
