@@ -33,6 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import gradpress as gp
 from gradpress.tasks import get_task
 from gradpress.train import Session, TrainConfig
@@ -57,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--uncompressed-params", nargs="*", default="auto",
                    help="parameter names kept exact (e.g. pos.weight; none given: none); "
                         "default: the factory's own, measured in the dense phase")
+    f.add_argument("--save-model", type=Path, metavar="FILE",
+                   help="rank 0 saves {'model': state_dict} here at the end "
+                        "(benchmarks/row_drift.py reads it)")
     f.add_argument("--min-compress-bytes", type=int, default=None,
                    help="smaller tensors travel exact (default: the factory's own, \"auto\": "
                         "the largest tensors holding 95%% of the bytes are compressed; "
@@ -120,6 +125,9 @@ def run_factory(args: argparse.Namespace) -> None:
     bs = task.defaults.batch_size
     train_steps(task, model, opt, s, bs, task.steps_per_epoch(gp.size(), bs))
     s.finish(model, task=args.task)
+    if args.save_model is not None and gp.rank() == 0:
+        args.save_model.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict()}, args.save_model)
 
 
 def run_train(args: argparse.Namespace) -> None:

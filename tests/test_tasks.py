@@ -48,8 +48,9 @@ def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 # -- registry --------------------------------------------------------------------------------------
 def test_task_names_and_unknown_name_lists_valid_ones():
-    assert task_names() == ["digits-cnn", "stdlib-lm", "stdlib-mlm"]
-    with pytest.raises(ValueError, match="unknown task 'mnist'.*digits-cnn, stdlib-lm, stdlib-mlm"):
+    assert task_names() == ["digits-cnn", "stdlib-lm", "stdlib-mlm", "stdlib-words"]
+    valid = "digits-cnn, stdlib-lm, stdlib-mlm, stdlib-words"
+    with pytest.raises(ValueError, match=f"unknown task 'mnist'.*{valid}"):
         get_task("mnist")
 
 

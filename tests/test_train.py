@@ -165,7 +165,7 @@ def test_bad_input_fails_before_any_process_starts(tmp_path: Path,
 
     monkeypatch.setattr("gradpress.launch.launch", no_launch)
     for argv, msg in (
-            (["--task", "nope"], "valid tasks: digits-cnn, stdlib-lm, stdlib-mlm"),
+            (["--task", "nope"], "valid tasks: digits-cnn, stdlib-lm, stdlib-mlm, stdlib-words"),
             (["--task", "digits-cnn", "--optimizer", "adagrad"], "valid optimizers: clan"),
             (["--task", "digits-cnn", "--compression", "gzip"], "valid codecs: none"),
             (["--task", "stdlib-mlm", "--uncompressed-params", "pos.weight", "position"],

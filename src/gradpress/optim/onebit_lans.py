@@ -52,6 +52,16 @@ class OneBitLANS(LANS):
        error feedback; None: identity). What comes back, ``a``, the average of the workers'
        ``m/d``, is the same on every worker, so the replicas stay identical; each worker's
        momentum becomes ``m = a*d`` in its own units.
+    2b. Idle rows (``hold_idle_rows``, ``variance="local"``): a tensor of two or more dimensions
+       whose averaged dense-phase gradient had a row of zeros (an embedding: rows of tokens
+       absent from a batch) is marked on every worker alike. In the compression stage each
+       worker also sends, exact, which of its rows have a gradient (``communicate(key +
+       ".rows", flags)``, one value a row). In ``a``, a row without gradient on any worker
+       takes its last shared value times ``b1/sqrt(b2)``, as LANS's moments decay without a
+       gradient, instead of what the codec sent: a one-bit code gives every element the same
+       magnitude, so rows without gradient would walk (DeepSpeed's 1-bit Adam masks such rows
+       by hand; here they are measured). Rows never used stay at ``a = 0`` and move by weight
+       decay only, as under LANS.
     3. Compression-stage update, LAMB's step as in 1-bit LAMB: ``r = a*sb + wd*x``
        (``sb = 1/(1-b1^t)``, the momentum's bias correction), ``q_r = ||x||/||r||`` (1 where a
        norm is 0, clamped to the trust bounds), ``x = x - lr*q_r*r``.
@@ -104,6 +114,10 @@ class OneBitLANS(LANS):
             flat index ``i`` has ``blend(i)`` true (a callable; ``variance="local"`` only).
             ``gp.OneBitLANS`` and ``gradpress train`` blend every tensor when every momentum
             travels exact, none otherwise.
+        hold_idle_rows: step 2b for every tensor with idle rows (True), none (False, the
+            default), or those whose flat index ``i`` has ``hold_idle_rows(i)`` true (a
+            callable). ``gp.OneBitLANS`` holds those whose momentum travels compressed. Needs
+            ``variance="local"``.
         variance, precondition, sends, ef21, refresh_every: the experiment switches above
             (``"local"``, True, ``"momentum"``, False, None by default).
 
@@ -125,7 +139,8 @@ class OneBitLANS(LANS):
                  communicate: Communicate | None = None, variance: str = "local",
                  blend: bool | Callable[[int], bool] = False, precondition: bool = True,
                  sends: str = "momentum", ef21: bool = False,
-                 refresh_every: int | None = None) -> None:
+                 refresh_every: int | None = None,
+                 hold_idle_rows: bool | Callable[[int], bool] = False) -> None:
         if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 1:
             raise ValueError(f"dense_steps must be an int >= 1, got {dense_steps!r}")
         if callable(blend) and variance != "local":
@@ -141,6 +156,10 @@ class OneBitLANS(LANS):
         self.refresh_every = refresh_every
         if sends not in SENDS:
             raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
+        if not callable(hold_idle_rows) and not isinstance(hold_idle_rows, bool):
+            raise TypeError(f"hold_idle_rows must be a bool or a callable, got "
+                            f"{hold_idle_rows!r}")
+        self.hold_idle_rows = hold_idle_rows
         self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
         self.variance = _check_variance(variance, self)
         self._setup(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -179,18 +198,20 @@ class OneBitLANS(LANS):
             refresh, comp = _split(comp, lambda t, g=group: self._refreshes(t, g))
             if warm.params:
                 # Step 1: a LANS step on the (uncompressed-averaged) gradient.
+                self._note_idle_rows(warm)
                 self._update(warm, group)
             if refresh.params:
                 self._refresh(refresh, group)
             for part, blend in self._by_blend(comp):
                 # Step 2: launch every communication of the step before waiting for any.
                 stages.append((part, group) + self._send(part, group, blend))
-        for b, group, pending, prev, (d, s), est in stages:
+        for b, group, pending, prev, (d, s), est, rows in stages:
             got = received(b, pending)
             if est is not None:
                 torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
                 got = est
             if self.variance == "local":
+                got = self._hold_idle_rows(b, group, got, rows)
                 self._local_update(b, group, got, prev, d, s)
                 continue
             if self.precondition:
@@ -218,13 +239,16 @@ class OneBitLANS(LANS):
         return [(part, flag) for part, flag in ((yes, True), (no, False)) if part.params]
 
     def _send(self, b: Bucket, group: dict[str, Any], blend: bool
-              ) -> tuple[list[Any], Any, Any, Any]:
+              ) -> tuple[list[Any], Any, Any, Any, dict[int, Any]]:
         """Step 2 up to the communication: returns (pending, b1*m_prev or None, the
-        ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None)."""
+        ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None, the pending row
+        counts of the tensors with idle rows by position in ``b``)."""
         beta1, beta2 = group["betas"]
-        g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         if self.variance == "local":
-            return self._send_local(b, group, g, blend)
+            rows = self._send_rows(b, group)   # before normalising: which rows have a gradient
+            g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
+            return self._send_local(b, group, g, blend) + (rows,)
+        g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         ds = self._denominators(b, group)
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
         est = self._estimates(b, d) if self.ef21 else None
@@ -242,7 +266,57 @@ class OneBitLANS(LANS):
         sent = torch._foreach_div(src, d) if d is not None else list(src)
         if est is not None:
             sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
-        return self._launch(b, sent), prev, ds, est
+        return self._launch(b, sent), prev, ds, est, {}
+
+    def _note_idle_rows(self, b: Bucket) -> None:
+        """Step 1b: mark a tensor of two or more dimensions whose averaged dense-phase gradient
+        has a row of zeros (an embedding's unused rows); the same on every worker."""
+        for p, g in zip(b.params, b.grads):
+            st = self.state[p]
+            if g.dim() >= 2 and not st.get("idle_rows", False):
+                st["idle_rows"] = not bool(g.reshape(g.shape[0], -1).any(dim=1).all())
+
+    def _send_rows(self, b: Bucket, group: dict[str, Any]) -> dict[int, Any]:
+        """Step 2b: for each tensor with idle rows, communicate (exact, key ``"<i>.rows"``)
+        which of its rows have a gradient on this worker (1.0) or none (0.0). At the first
+        compressed step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for step 2c."""
+        out = {}
+        hold = self.hold_idle_rows
+        for j, (p, g) in enumerate(zip(b.params, b.grads)):
+            st = self.state[p]
+            if st.get("idle_rows", False) and (hold(b.indices[j]) if callable(hold) else hold):
+                if "shared_momentum" not in st:   # m and v are still the dense phase's
+                    st["shared_momentum"] = b.exp_avgs[j] / self._last_denominator(p, group)
+                touched = g.reshape(g.shape[0], -1).any(dim=1).to(g.dtype)
+                key = f"{b.indices[j]}.rows"
+                out[j] = touched if self._communicate is None else self._communicate(key, touched)
+        return out
+
+    def _hold_idle_rows(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
+                        rows: dict[int, Any]) -> list[torch.Tensor]:
+        """Step 2c: in the averaged ``a`` of a tensor with idle rows, a row that has no gradient
+        on any worker takes its last shared value decayed as LANS's moments decay without a
+        gradient (``b1/sqrt(b2)``), not the codec's: a one-bit code gives every element the same
+        magnitude, so unused rows would walk. Rows never used keep ``a = 0``."""
+        if not rows:
+            return got
+        beta1, beta2 = group["betas"]
+        got = list(got)
+        for j, pending in rows.items():
+            p, a = b.params[j], got[j]
+            counts = pending.wait() if hasattr(pending, "wait") else pending
+            used = (counts > 0).reshape((-1,) + (1,) * (a.dim() - 1))
+            st = self.state[p]
+            got[j] = torch.where(used, a, st["shared_momentum"] * (beta1 / beta2 ** 0.5))
+            st["shared_momentum"] = got[j].clone()
+        return got
+
+    def _last_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """``sqrt(vh)+eps`` of ``p``'s second moment before this step's update (bias-corrected
+        at the previous step): the dense phase's, identical on every worker."""
+        st, beta2 = self.state[p], group["betas"][1]
+        t = int(st["step"]) - 1
+        return (st["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(group["eps"])
 
     def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
                     blend: bool) -> tuple[list[Any], Any, Any, None]:
@@ -340,6 +414,8 @@ def _check_variance(variance: Any, opt: OneBitLANS) -> str:
     """``variance`` if valid and compatible with the other options, else ValueError."""
     if variance not in VARIANCES:
         raise ValueError(f"variance must be one of {', '.join(VARIANCES)}, got {variance!r}")
+    if variance != "local" and opt.hold_idle_rows is not False:
+        raise ValueError(f"hold_idle_rows needs variance='local', got variance={variance!r}")
     if variance == "local":
         clash = [name for name, bad in (("precondition=False", not opt.precondition),
                                         (f"sends={opt.sends!r}", opt.sends != "momentum"),

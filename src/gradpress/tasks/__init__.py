@@ -13,6 +13,7 @@ Tasks:
     ``digits-cnn``  scikit-learn's 8x8 digits, residual CNN (needs scikit-learn).
     ``stdlib-lm``   byte-level causal (next-byte) language model on the Python documentation.
     ``stdlib-mlm``  byte-level masked language model on the Python stdlib's source.
+    ``stdlib-words`` word-level post-LN causal language model, long-tailed vocabulary.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _TASKS = {
     "digits-cnn": "gradpress.tasks.digits:DigitsTask",
     "stdlib-lm": "gradpress.tasks.stdlib_lm:StdlibLMTask",
     "stdlib-mlm": "gradpress.tasks.stdlib_mlm:StdlibMLMTask",
+    "stdlib-words": "gradpress.tasks.stdlib_words:StdlibWordsTask",
 }
 
 

@@ -138,11 +138,13 @@ def to_causal_sequences(stream: bytes, seq_len: int) -> torch.Tensor:
 
 class CausalTransformer(nn.Module):
     """GPT-style decoder-only transformer: ``forward(ids)`` returns logits (B, L, vocab) where
-    the logits at position ``i`` depend on ``ids[:, :i+1]`` only."""
+    the logits at position ``i`` depend on ``ids[:, :i+1]`` only. ``norm_first=False`` gives
+    post-LayerNorm layers (BERT's and ``nn.TransformerEncoderLayer``'s default layout)."""
 
     def __init__(self, vocab_size: int = VOCAB_SIZE, seq_len: int = 64, d_model: int = 128,
                  n_layers: int = 4, n_heads: int = 4, d_ff: int = 256,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, norm_first: bool = True,
+                 activation: str = "gelu") -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
@@ -152,8 +154,11 @@ class CausalTransformer(nn.Module):
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         layer = nn.TransformerEncoderLayer(d_model, n_heads, d_ff, dropout,
-                                           activation="gelu", batch_first=True, norm_first=True)
-        self.decoder = nn.TransformerEncoder(layer, n_layers, norm=nn.LayerNorm(d_model),
+                                           activation=activation, batch_first=True,
+                                           norm_first=norm_first)
+        # pre-LN (GPT-2) ends in a LayerNorm of its own; post-LN (BERT) layers already end in one
+        final = nn.LayerNorm(d_model) if norm_first else None
+        self.decoder = nn.TransformerEncoder(layer, n_layers, norm=final,
                                              enable_nested_tensor=False)
         self.out = nn.Linear(d_model, vocab_size)
         self.apply(normal_init)

@@ -14,6 +14,9 @@ not. The dense phase measures this on the real gradients, the same way on every 
    workers have in common (1: every worker sends the same gradient; 0: independent noise,
    whose average has ``1/W`` of a worker's squared norm).
 4. Tensors with ``a`` below :data:`AGREEMENT_THRESHOLD` travel exact; the others compressed.
+   Except the tensors whose idle rows the optimizer holds (:class:`gradpress.optim.OneBitLANS`,
+   an embedding's rows without gradient): their agreement is low because different workers
+   touch different rows, which exact averaging cannot cancel either, so they are compressed.
 
 With one worker nothing can be measured and every tensor is compressed as configured.
 Measured on the bundled tasks in ``benchmarks/tensor_stats.py`` (``docs/guide.md``).
@@ -70,17 +73,20 @@ class Agreement:
         steps: dense steps measured.
         workers: number of workers that measured.
         threshold: tensors below it travel exact.
+        held: tensors whose idle rows the optimizer holds: compressed whatever their agreement.
     """
 
     values: Mapping[str, float]
     steps: int
     workers: int
     threshold: float = AGREEMENT_THRESHOLD
+    held: frozenset[str] = frozenset()
 
     @property
     def exact(self) -> frozenset[str]:
         """Names of the tensors that travel exact."""
-        return frozenset(n for n, a in self.values.items() if a < self.threshold)
+        return frozenset(n for n, a in self.values.items()
+                         if a < self.threshold and n not in self.held)
 
     def reason(self, name: str) -> str:
         """One line: the measured agreement of ``name`` and what it decided."""
@@ -89,6 +95,8 @@ class Agreement:
             return "not measured"
         verdict = "exact: mostly noise, averaged exactly" if a < self.threshold \
             else "compressed"
+        if name in self.held:
+            verdict = "compressed: rows without gradient held, the workers touch different rows"
         return f"gradients agree {a:.2f} across workers ({verdict}; threshold {self.threshold})"
 
 
@@ -110,6 +118,9 @@ class AgreementMeter:
         self._seen = False
         self.steps = 0
         self.result: Agreement | None = None
+        #: Set by an optimizer that holds idle rows (``gp.OneBitLANS``): called once at
+        #: :meth:`decide`, the names of the tensors whose idle rows it holds (step 4).
+        self.held: Callable[[], Iterable[str]] | None = None
 
     def add_local(self, name: str, grad: torch.Tensor) -> None:
         """This worker's gradient of ``name``, before it is averaged (step 1)."""
@@ -146,8 +157,9 @@ class AgreementMeter:
             r = [float(t) / (workers * self.steps) for t in total]
             values = {n: (workers * ri - 1) / (workers - 1)
                       for n, ri in zip(self.names, r, strict=True)}
+        held = frozenset(self.held()) if self.held is not None else frozenset()
         self.result = Agreement(values=values, steps=self.steps, workers=workers,
-                                threshold=self.threshold)
+                                threshold=self.threshold, held=held)
         return self.result
 
     def state_dict(self) -> dict[str, Any]:
@@ -155,7 +167,8 @@ class AgreementMeter:
         r = self.result
         return {"sums": dict(self._sums), "steps": self.steps,
                 "result": None if r is None else {"values": dict(r.values), "steps": r.steps,
-                                                  "workers": r.workers}}
+                                                  "workers": r.workers,
+                                                  "held": sorted(r.held)}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same tensors, in any order)."""
@@ -167,4 +180,4 @@ class AgreementMeter:
         r = state.get("result")
         self.result = None if r is None else Agreement(
             values=dict(r["values"]), steps=int(r["steps"]), workers=int(r["workers"]),
-            threshold=self.threshold)
+            threshold=self.threshold, held=frozenset(r.get("held", ())))

@@ -229,12 +229,20 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
         step_lr = groups[0]["lr"] if needs_lr else None
-        limit = ALWAYS_EXACT if key in exact else min_compress_bytes
+        # "<i>.rows": which rows of an embedding-like tensor have a gradient, always exact
+        limit = ALWAYS_EXACT if key in exact or key.endswith(".rows") else min_compress_bytes
         return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
                                compression=spec, lr=step_lr, min_compress_bytes=limit)
 
+    def compressed(i: int) -> bool:  # step 2b: hold the idle rows of compressed momenta
+        decide()
+        p = named[i][1]
+        return not travels_exact(p.numel(), spec=spec, exact=str(i) in exact,
+                                 min_compress_bytes=min_compress_bytes)
+
     opt = _OneBitLANSCore(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                          dense_steps=dense_steps, communicate=communicate, blend=blend)
+                          dense_steps=dense_steps, communicate=communicate, blend=blend,
+                          hold_idle_rows=compressed)
     groups.extend(opt.param_groups)
     exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)
     warm = dense_codec(spec)
@@ -249,6 +257,9 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         opt, named_parameters=named, compression=warm or "none", ef="none",
         min_compress_bytes=min_compress_bytes,
         uncompressed_params="auto" if dense is None else sorted(dense)))
+    meter = getattr(wrapper[0], "_gp_meter", None)
+    if meter is not None:  # the core holds the idle rows of these: compress them (agreement)
+        meter.held = lambda: [n for n, p in named if opt.state[p].get("idle_rows", False)]
     return wrapper[0]
 
 

@@ -1,0 +1,197 @@
+"""``stdlib-words``: a word-level, post-LayerNorm causal language model, long-tailed vocabulary.
+
+A task that nobody tuned gradpress's defaults on (issue 38): BERT's post-LN layer layout
+(``nn.TransformerEncoderLayer`` with its own defaults: post-LN, ReLU, dropout 0.1), a real
+word-level vocabulary of thousands of entries whose rows are mostly idle on any given step, some
+rows that never occur in the training text at all, and validation on held-out modules. Its set-up
+is frozen: change nothing here to make a method look better.
+
+Corpus: the docstrings of the top-level modules of the running Python's standard library
+(``Lib/*.py``, about 170 files, 0.23M words), read with :mod:`ast` (never imported or executed).
+The exact text depends on the Python version, so numbers differ slightly between interpreters
+(never between runs).
+
+Steps of data preparation:
+  1. Split by module: a module goes to validation when ``crc32(file name) % 10 == 0`` (about
+     10% of the words).
+  2. Tokenize: runs of letters, runs of digits, newlines and single other symbols
+     (:data:`TOKEN_RE`); spaces are dropped.
+  3. Vocabulary, as a tokenizer trained on the whole corpus would give it: every token that
+     occurs at least twice in training and validation text together, most frequent first
+     (ties by the token), after [BOS] and [UNK]. So the table holds rows of tokens that occur in
+     validation text only: their embedding rows get no gradient from any training batch.
+  4. Each part's modules are joined in file-name order with a blank line, cut into
+     non-overlapping sequences of ``seq_len`` tokens, [BOS] prepended; the loss is the mean
+     next-token cross-entropy over all positions.
+  5. Validation uses a fixed subset of validation sequences, evenly spaced over the stream.
+
+Model: :class:`~gradpress.tasks.stdlib_lm.CausalTransformer` with ``norm_first=False`` (no final
+LayerNorm: a post-LN layer already ends in one), ReLU, dropout 0.1, d=128, 4 layers, an untied
+output layer; the token embedding is about a third of the parameters.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import re
+import sysconfig
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._lm import evaluate_tokens
+from .base import Batch, EvalResult, Task, TaskDefaults, model_device, shard_batches
+from .stdlib_lm import CausalTransformer
+
+__all__ = ["StdlibWordsTask", "WordsCorpus", "load_words_corpus", "TOKEN_RE", "BOS", "UNK"]
+
+BOS, UNK = 0, 1
+#: Step 2's tokens: letters, digits, a newline, or one other non-space symbol.
+TOKEN_RE = re.compile(r"[A-Za-z]+|[0-9]+|\n|[^\sA-Za-z0-9]")
+_VAL_MODULUS = 10
+_MIN_COUNT = 2
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@dataclass(frozen=True)
+class WordsCorpus:
+    """Token ids of both parts, the vocabulary, and the ids absent from the training part."""
+
+    train: torch.Tensor
+    validation: torch.Tensor
+    vocab: tuple[str, ...]
+    unseen_in_training: torch.Tensor  # ids (>= 2) that occur in validation text only
+
+
+def _docstrings(path: Path) -> str:
+    """The docstrings of one module (module, classes, functions), joined by blank lines."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (SyntaxError, ValueError):
+        return ""  # a file this interpreter cannot parse is left out, deterministically
+    docs = (ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, _DOC_NODES))
+    return "\n\n".join(d for d in docs if d)
+
+
+@functools.lru_cache(maxsize=2)
+def load_words_corpus(stdlib_dir: str | None = None) -> WordsCorpus:
+    """Data preparation steps 1-3 on the stdlib under ``stdlib_dir`` (the running one's)."""
+    root = Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    parts: dict[bool, list[str]] = {True: [], False: []}
+    for path in sorted(root.glob("*.py")):
+        tokens = TOKEN_RE.findall(_docstrings(path))
+        if tokens:
+            is_val = zlib.crc32(path.name.encode()) % _VAL_MODULUS == 0
+            parts[is_val].extend(tokens + ["\n", "\n"])
+    if not parts[True] or not parts[False]:
+        raise ValueError(f"stdlib-words corpus under {root}: {len(parts[False])} training and "
+                         f"{len(parts[True])} validation tokens; expected some of each (the "
+                         f"top-level modules of CPython's Lib directory)")
+    counts = Counter(parts[False]) + Counter(parts[True])
+    words = sorted((w for w, c in counts.items() if c >= _MIN_COUNT),
+                   key=lambda w: (-counts[w], w))
+    vocab = ("[BOS]", "[UNK]", *words)
+    index = {w: i for i, w in enumerate(vocab)}
+    ids = {k: torch.tensor([index.get(w, UNK) for w in v], dtype=torch.int64)
+           for k, v in parts.items()}
+    seen = torch.zeros(len(vocab), dtype=torch.bool)
+    seen[ids[False]] = True
+    seen[:2] = True
+    return WordsCorpus(ids[False], ids[True], vocab, torch.nonzero(~seen).flatten())
+
+
+def _sequences(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Step 4: int64 (N, seq_len + 1), [BOS] then ``seq_len`` tokens."""
+    n = len(stream) // seq_len
+    if n == 0:
+        raise ValueError(f"a stream of {len(stream)} tokens holds no sequence of {seq_len}")
+    out = torch.full((n, seq_len + 1), BOS, dtype=torch.int64)
+    out[:, 1:] = stream[:n * seq_len].view(n, seq_len)
+    return out
+
+
+class StdlibWordsTask(Task):
+    """``stdlib-words``: next-word prediction on the stdlib's docstrings, post-LN transformer.
+
+    Args:
+        seq_len, d_model, n_layers, n_heads, d_ff, dropout: model and sequence shape.
+        num_val_sequences: size of the fixed validation set (evenly spaced over the stream).
+        eval_batch_size: batch size of :meth:`evaluate`.
+    """
+
+    name = "stdlib-words"
+    description = ("word-level causal LM on the docstrings of CPython's top-level stdlib "
+                   "modules (vocabulary of ~5.4k words, some never in training), 4-layer "
+                   "post-LN d=128 transformer, ~2.2M parameters")
+    # Frozen when written (issue 38): stdlib-lm's rates, not tuned here; no warm-up, no decay.
+    defaults = TaskDefaults(
+        batch_size=16, epochs=100, max_steps=1000,
+        lr={"adam": 2e-3, "sgd": 0.3, "lans": 1e-2, "lamb": 1e-2},
+        momentum=0.9, weight_decay=0.01, warmup_steps=0)
+
+    def __init__(self, seq_len: int = 32, d_model: int = 128, n_layers: int = 4,
+                 n_heads: int = 4, d_ff: int = 512, dropout: float = 0.1,
+                 num_val_sequences: int = 256, eval_batch_size: int = 64) -> None:
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        if num_val_sequences < 1 or eval_batch_size < 1:
+            raise ValueError(f"num_val_sequences and eval_batch_size must be >= 1, got "
+                             f"{num_val_sequences} and {eval_batch_size}")
+        corpus = load_words_corpus()
+        self.vocab = corpus.vocab
+        self.unseen_in_training = corpus.unseen_in_training
+        self.model_kwargs = dict(vocab_size=len(corpus.vocab), seq_len=seq_len, d_model=d_model,
+                                 n_layers=n_layers, n_heads=n_heads, d_ff=d_ff, dropout=dropout,
+                                 norm_first=False, activation="relu")
+        self.eval_batch_size = eval_batch_size
+        self.train_sequences = _sequences(corpus.train, seq_len)
+        val = _sequences(corpus.validation, seq_len)
+        keep = torch.linspace(0, len(val) - 1, min(num_val_sequences, len(val))).round().long()
+        self.val_sequences = val[keep]
+        self.uniform_loss = math.log(len(corpus.vocab))
+
+    @property
+    def num_train_examples(self) -> int:
+        return int(self.train_sequences.shape[0])
+
+    def build_model(self, seed: int) -> nn.Module:
+        """A post-LN :class:`CausalTransformer`, initialised under an RNG seeded by ``seed``."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return CausalTransformer(**self.model_kwargs)
+
+    def train_batches(self, rank: int, world_size: int, batch_size: int, seed: int,
+                      epoch: int) -> Iterator[Batch]:
+        """Batches ``(inputs, targets)``, int64 (B, seq_len): a sequence and its shift by one."""
+        for idx in shard_batches(self.num_train_examples, rank, world_size, batch_size,
+                                 seed, epoch):
+            seqs = self.train_sequences[idx]
+            yield seqs[:, :-1], seqs[:, 1:]
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean next-token cross-entropy over every position of the batch."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise ValueError(f"stdlib-words batch must be a pair (inputs, targets), got "
+                             f"{type(batch).__name__}")
+        device = model_device(model)
+        logits = model(batch[0].to(device))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                               batch[1].to(device).reshape(-1))
+
+    def evaluate(self, model: nn.Module) -> EvalResult:
+        """Validation loss (primary), next-token accuracy and perplexity on the fixed set."""
+        def next_tokens(start: int, stop: int, device: torch.device
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+            seqs = self.val_sequences[start:stop].to(device)
+            logits = model(seqs[:, :-1])
+            return logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)
+
+        return evaluate_tokens(model, len(self.val_sequences), self.eval_batch_size, next_tokens)
