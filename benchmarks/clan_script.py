@@ -122,7 +122,7 @@ def run_factory(args: argparse.Namespace) -> None:
     s.start()
     # 2-3. the bundled task's own loop (the one `gradpress train --task` runs): steps with the
     # session's schedule, evaluation on rank 0 once per epoch and at the end
-    bs = task.defaults.batch_size
+    bs = s.cfg.batch_size or task.defaults.batch_size
     train_steps(task, model, opt, s, bs, task.steps_per_epoch(gp.size(), bs))
     s.finish(model, task=args.task)
     if args.save_model is not None and gp.rank() == 0:

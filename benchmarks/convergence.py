@@ -163,6 +163,8 @@ LRS: dict[tuple[str, str, str], float] = {
     # stdlib-lm: stdlib-mlm's rates, not tuned for it
     ("stdlib-lm", "lans", "*"): 1e-2, ("stdlib-lm", "onebit-lans", "*"): 1e-2,
     ("stdlib-lm", "clan", "*"): 1e-2,
+    # stdlib-words (issue 38, frozen when written): stdlib-lm's rate, not tuned for it
+    ("stdlib-words", "lans", "*"): 1e-2, ("stdlib-words", "onebit-lans", "*"): 1e-2,
 }
 
 

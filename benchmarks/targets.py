@@ -36,13 +36,14 @@ import shlex
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results_md  # noqa: E402
+import row_drift  # noqa: E402
 from convergence import CODECS, STUDY_SCRIPT, Run, completed, execute, lr_for  # noqa: E402
 
 #: Worker processes of every run (``gradpress train``'s default).
@@ -55,6 +56,9 @@ METRIC = {"%": "val_loss", "points": "test_accuracy"}
 SUFFIX = {"%": "%", "points": " pts"}
 #: Codec spec -> the grid's short name, which names run directories (``topk``).
 SHORT = {spec: name for name, spec in CODECS.items()}
+#: The rows of symbols absent from training may move this much (their mean norm, as a
+#: fraction of LANS's) where a task has them (issue 38).
+ROW_TOLERANCE = 0.10
 #: Where ``--write`` puts the table.
 TABLE_ID, RESULTS_FILE = "targets", "accuracy.json"
 
@@ -71,6 +75,18 @@ class Target:
     unit: str          # "%" or "points"
     seeds: tuple[int, ...] = (0, 1, 2)
     min_ratio: float | None = None  # whole-run bytes vs fp32 the method must reach
+    schedule: str | None = None     # the lr schedule of both runs (None: gradpress train's)
+    lr_scale: float = 1.0           # times the grid's lr, on both runs (the lr sweep)
+    workers: int = WORKERS
+    batch_size: int | None = None   # per worker, on both runs (None: the task's)
+
+    @property
+    def suffix(self) -> str:
+        """What the run directories add for a schedule, lr scale or worker count of its own."""
+        return ((f"_{self.schedule}" if self.schedule else "")
+                + (f"_lr{self.lr_scale:g}x" if self.lr_scale != 1.0 else "")
+                + (f"_w{self.workers}" if self.workers != WORKERS else "")
+                + (f"_b{self.batch_size}" if self.batch_size else ""))
 
 
 _TOPK = "topk:k=0.001,values=fp16"
@@ -83,6 +99,19 @@ TARGETS: tuple[Target, ...] = (
     Target("topk-mlm-1600", "stdlib-mlm", 1600, _TOPK, 5.0, "%"),
     Target("onebit-lm-800", "stdlib-lm", 800, "onebit", 3.0, "%"),
     Target("onebit-digits", "digits-cnn", None, "onebit", 1.0, "points"),
+    # issue 38: a post-LN word-level model nobody tuned on, at a constant lr (no schedule)
+    Target("onebit-words-1000", "stdlib-words", 1000, "onebit", 3.0, "%", min_ratio=4.0,
+           schedule="constant"),
+    *(Target(f"onebit-words-1000-lr{x:g}x", "stdlib-words", 1000, "onebit", 3.0, "%",
+             schedule="constant", lr_scale=x) for x in (0.5, 2.0)),
+    Target("onebit-words-1000-w4", "stdlib-words", 1000, "onebit", 3.0, "%",
+           schedule="constant", workers=4, batch_size=8),  # the same global batch
+    Target("onebit-words-4000", "stdlib-words", 4000, "onebit", 3.0, "%", min_ratio=8.0,
+           schedule="constant"),
+    # issue 38: 4x the longest target above, at a constant lr
+    *(Target(f"onebit-{short}-12800", task, 12800, "onebit", 3.0, "%", min_ratio=8.0,
+             schedule="constant")
+      for short, task in (("mlm", "stdlib-mlm"), ("lm", "stdlib-lm"), ("words", "stdlib-words"))),
 )
 
 
@@ -93,13 +122,19 @@ class FactoryRun(Run):
     warmup_steps: int = 0
 
     def command(self, python: str = "python", script: str = STUDY_SCRIPT) -> list[str]:
-        """``gradpress train`` in script mode (the lr warm-up explicit: no task, no default)."""
+        """``gradpress train`` in script mode (the lr warm-up explicit: no task, no default);
+        ``extra`` holds ``schedule`` and ``workers`` where a target sets them, and
+        ``save-model`` for the script."""
         spec = CODECS[self.codec]
+        extra = dict(self.extra)
+        save = extra.pop("save-model", None)
+        cli = [x for k, v in extra.items() for x in (f"--{k}", str(v))]
         return ["gradpress", "train", "--optimizer", self.optimizer, "--compression", spec,
                 "--lr", f"{self.lr:g}", "--steps", str(self.steps),
                 "--warmup-steps", str(self.warmup_steps), "--weight-decay", f"{WEIGHT_DECAY:g}",
-                "--seed", str(self.seed), "--no-progress", "--out", str(self.out),
-                "--", python, script, "--task", self.task, "--compression", spec]
+                *cli, "--seed", str(self.seed), "--no-progress", "--out", str(self.out),
+                "--", python, script, "--task", self.task, "--compression", spec,
+                *(["--save-model", str(save)] if save else [])]
 
 
 @cache
@@ -121,13 +156,22 @@ def pair(t: Target, seed: int, out: Path) -> tuple[Run, FactoryRun]:
     """Step 1: the (baseline, method) runs of one seed."""
     steps, root = length(t), out / t.task
     epochs = _task(t.task).defaults.epochs if t.steps is None else None
-    lr = lr_for(t.task, "lans", "none")
+    lr = lr_for(t.task, "lans", "none") * t.lr_scale
+    own = {k: v for k, v in (("schedule", t.schedule), ("workers", t.workers),
+                             ("batch-size", t.batch_size))
+           if v is not None and (k, v) != ("workers", WORKERS)}
+    name = f"st{steps}{t.suffix}_s{seed}"
+    rows = hasattr(_task(t.task), "unseen_in_training")  # benchmarks/row_drift.py's runs
+    base_out = root / f"lans_none_{name}"
     base = Run(t.task, "lans", "none", "base", seed, lr, None if epochs else steps, epochs,
-               root / f"lans_none_st{steps}_s{seed}", {"weight-decay": WEIGHT_DECAY})
+               base_out, {"weight-decay": WEIGHT_DECAY, **own,
+                          **({"checkpoint-every": steps} if rows else {})})
     codec = SHORT[t.codec]
+    method_out = root / f"onebit-lans_{codec}_{name}"
     method = FactoryRun(t.task, "onebit-lans", codec, "factory", seed,
-                        lr_for(t.task, "onebit-lans", codec), steps, None,
-                        root / f"onebit-lans_{codec}_st{steps}_s{seed}",
+                        lr_for(t.task, "onebit-lans", codec) * t.lr_scale, steps, None,
+                        method_out,
+                        {**own, **({"save-model": method_out / "model.pt"} if rows else {})},
                         warmup_steps=_task(t.task).defaults.warmup_steps)
     return base, method
 
@@ -160,6 +204,7 @@ class Outcome:
     gaps: dict[int, float]          # seed -> gap, for the seeds with both runs done
     ratios: dict[int, float]        # seed -> the method's whole-run ratio vs fp32
     status: str                     # "met", "not met (...)" or "incomplete"
+    rows: dict[int, float] = field(default_factory=dict)  # seed -> unseen-row norm vs LANS
 
 
 def within(t: Target, g: float) -> bool:
@@ -170,21 +215,41 @@ def within(t: Target, g: float) -> bool:
 
 def evaluate(t: Target, out: Path) -> Outcome:
     """Step 3: read the target's reports and judge it."""
-    done, gaps, ratios = 0, {}, {}
+    done, gaps, ratios, rows = 0, {}, {}, {}
     for seed in t.seeds:
-        base, method = (completed(r) for r in pair(t, seed, out))
+        runs = pair(t, seed, out)
+        base, method = (completed(r) for r in runs)
         done += (base is not None) + (method is not None)
         if method is not None:
             ratios[seed] = float(method["model_ratio_vs_fp32"])
         if base is not None and method is not None:
             gaps[seed] = gap(method, base, t.unit)
+            drift = unseen_rows(*runs)
+            if drift is not None:
+                rows[seed] = drift
     total = 2 * len(t.seeds)
     if done < total:
-        return Outcome(t, done, total, gaps, ratios, "incomplete")
+        return Outcome(t, done, total, gaps, ratios, "incomplete", rows)
     why = [f"seed {s} at {_gap(g, t.unit)}" for s, g in gaps.items() if not within(t, g)]
+    why += [f"seed {s} unseen rows {r:.2f}x LANS's norm" for s, r in rows.items()
+            if abs(r - 1.0) > ROW_TOLERANCE]
     if t.min_ratio is not None and min(ratios.values()) < t.min_ratio:
         why.append(f"bytes {min(ratios.values()):.2f}x < {t.min_ratio:g}x")
-    return Outcome(t, done, total, gaps, ratios, f"not met ({'; '.join(why)})" if why else "met")
+    return Outcome(t, done, total, gaps, ratios, f"not met ({'; '.join(why)})" if why else "met",
+                   rows)
+
+
+def unseen_rows(base: Run, method: Run) -> float | None:
+    """The method's mean norm of the embedding rows never in training over the baseline's
+    (``benchmarks/row_drift.py``), for tasks that have such rows and runs that kept models."""
+    task = _task(base.task)
+    if not hasattr(task, "unseen_in_training"):
+        return None
+    try:
+        b, m = (row_drift.measure(r.out, task.unseen_in_training) for r in (base, method))
+    except FileNotFoundError:
+        return None
+    return m["unseen_row_norm"] / b["unseen_row_norm"]
 
 
 def _gap(g: float, unit: str) -> str:
@@ -198,7 +263,8 @@ def requirement(t: Target) -> str:
 
 
 COLUMNS = ["target", "task", "steps", "codec", "requirement (every seed)", "runs",
-           "gap per seed", "gap (mean ± std)", "method vs fp32", "result"]
+           "gap per seed", "gap (mean ± std)", "method vs fp32", "unseen rows vs LANS",
+           "result"]
 
 
 def row(o: Outcome) -> list[str]:
@@ -211,8 +277,9 @@ def row(o: Outcome) -> list[str]:
         mean = f"{statistics.fmean(gaps):+.2f} ± {sd:.2f}{SUFFIX[t.unit]} (n={len(gaps)})"
     r = list(o.ratios.values())
     ratio = f"{statistics.fmean(r):.2f}x (min {min(r):.2f}x)" if r else "-"
+    rows = ", ".join(f"s{s} {v:.2f}x" for s, v in o.rows.items()) or "-"
     return [t.name, t.task, str(length(t)), t.codec, requirement(t), f"{o.done}/{o.total}",
-            per, mean, ratio, o.status]
+            per, mean, ratio, rows, o.status]
 
 
 def markdown(rows: Sequence[Sequence[str]]) -> str:

@@ -43,11 +43,49 @@ ISSUE_26 = {
 }
 
 
+#: The targets of issue 38, constant lr: name -> (task, steps, min_ratio, lr scale, workers).
+ISSUE_38 = {
+    "onebit-words-1000": ("stdlib-words", 1000, 4.0, 1.0, 2),
+    "onebit-words-1000-lr0.5x": ("stdlib-words", 1000, None, 0.5, 2),
+    "onebit-words-1000-lr2x": ("stdlib-words", 1000, None, 2.0, 2),
+    "onebit-words-1000-w4": ("stdlib-words", 1000, None, 1.0, 4),
+    "onebit-words-4000": ("stdlib-words", 4000, 8.0, 1.0, 2),
+    "onebit-mlm-12800": ("stdlib-mlm", 12800, 8.0, 1.0, 2),
+    "onebit-lm-12800": ("stdlib-lm", 12800, 8.0, 1.0, 2),
+    "onebit-words-12800": ("stdlib-words", 12800, 8.0, 1.0, 2),
+}
+
+
 def test_the_targets_are_the_issues(tg: ModuleType) -> None:
     got = {t.name: (t.task, t.steps, t.codec, t.threshold, t.unit, t.min_ratio)
-           for t in tg.TARGETS}
+           for t in tg.TARGETS if t.schedule is None}
     assert got == ISSUE_26
+    got = {t.name: (t.task, t.steps, t.min_ratio, t.lr_scale, t.workers)
+           for t in tg.TARGETS if t.schedule is not None}
+    assert got == ISSUE_38
+    assert all((t.codec, t.threshold, t.unit, t.schedule) == ("onebit", 3.0, "%", "constant")
+               for t in tg.TARGETS if t.name in ISSUE_38)
     assert all(t.seeds == (0, 1, 2) for t in tg.TARGETS)
+
+
+def test_issue_38_commands_keep_the_schedule_workers_and_models(tg: ModuleType,
+                                                                 tmp_path: Path) -> None:
+    t = next(t for t in tg.TARGETS if t.name == "onebit-words-1000-w4")
+    base, method = tg.pair(t, 0, tmp_path)
+    d = tmp_path / "stdlib-words"
+    assert base.shell() == (
+        "gradpress train --task stdlib-words --optimizer lans --compression none --lr 0.01 "
+        "--steps 1000 --weight-decay 0.01 --schedule constant --workers 4 --batch-size 8 "
+        "--checkpoint-every 1000 --seed 0 --no-progress --out "
+        f"{d}/lans_none_st1000_constant_w4_b8_s0")
+    out = d / "onebit-lans_onebit_st1000_constant_w4_b8_s0"
+    assert method.shell() == (
+        "gradpress train --optimizer onebit-lans --compression onebit --lr 0.01 --steps 1000 "
+        "--warmup-steps 0 --weight-decay 0.01 --schedule constant --workers 4 --batch-size 8 "
+        f"--seed 0 --no-progress --out {out} -- python benchmarks/clan_script.py --task "
+        f"stdlib-words --compression onebit --save-model {out}/model.pt")
+    sweep = next(t for t in tg.TARGETS if t.name == "onebit-words-1000-lr2x")
+    assert all(r.lr == 0.02 for r in tg.pair(sweep, 0, tmp_path))
 
 
 @pytest.mark.parametrize("name", sorted(ISSUE_26))
@@ -84,7 +122,8 @@ def test_commands(tg: ModuleType, name: str, tmp_path: Path) -> None:
 def test_baselines_are_shared_and_digits_runs_176_steps(tg: ModuleType, tmp_path: Path) -> None:
     runs = tg.all_runs(tg.TARGETS, tmp_path)
     outs = [r.out for r in runs]
-    assert len(outs) == len(set(outs)) and len(runs) == 3 * 13  # 5 baselines + 8 methods
+    # issue 26: 5 baselines + 8 methods; issue 38: 8 baselines + 8 methods
+    assert len(outs) == len(set(outs)) and len(runs) == 3 * (13 + 16)
     digits = next(t for t in tg.TARGETS if t.task == "digits-cnn")
     assert tg.length(digits) == 176  # 8 epochs x 22 steps (1437 images, 2 x 32 a step)
 
@@ -150,7 +189,7 @@ def test_missing_or_failed_runs_are_incomplete(tg: ModuleType, tmp_path: Path) -
     _report(base.out, "val_loss", 2.0, status="failed")
     assert tg.evaluate(t, tmp_path).done == 4
     assert tg.row(tg.evaluate(_target(tg, "none-lm"), tmp_path))[5:] == [
-        "0/6", "-", "-", "-", "incomplete"]
+        "0/6", "-", "-", "-", "-", "incomplete"]
 
 
 def test_accuracy_gap_in_points(tg: ModuleType, tmp_path: Path) -> None:
