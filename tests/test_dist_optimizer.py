@@ -193,6 +193,26 @@ WORKER = textwrap.dedent('''
         sched.step()
     res["closure_loss_ok"] = torch.tensor(all(v > 0 for v in losses))  # step returned the loss
     res["sched_closure"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    # 10. gp.OneBitLANS on an embedding whose rows 20-29 never get a gradient: the rows are
+    # held (a "(rows)" key), not walked by the one-bit code
+    torch.manual_seed(5)
+    emb = torch.nn.Sequential(torch.nn.Embedding(30, 16), torch.nn.Linear(16, 3))
+    start = emb[0].weight.detach().clone()
+    opt = gp.OneBitLANS([(f"rows.{n}", p) for n, p in emb.named_parameters()], lr=1e-2,
+                        dense_steps=2, min_compress_bytes=0)
+    for step in range(8):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x, y = torch.randint(0, 20, (8,), generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(emb(x), y).backward()
+        opt.step()
+    plan = opt.plan()
+    res["rows_key"] = torch.tensor(any(t.name == "rows.0.weight (rows)" for t in plan.tensors))
+    res["rows_compressed"] = torch.tensor(next(
+        t for t in plan.tensors if t.name == "rows.0.weight").codec == "onebit")
+    res["rows_unused"] = emb[0].weight.detach()[20:].clone()
+    res["rows_unused_start"] = start[20:]
+    res["rows_used_moved"] = (emb[0].weight.detach()[:20] - start[:20]).norm()
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
 ''')
@@ -265,6 +285,11 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     assert torch.equal(w0["sched_closure"], w0["none"])  # scheduler first, closure: averaged
     assert bool(w0["closure_loss_ok"])
     assert not torch.equal(w0["warmup_half"], w0["none"])  # compressed from step 2
+    assert bool(w0["rows_key"]) and bool(w0["rows_compressed"])
+    # unused rows: weight decay only (never longer than at the start), no one-bit walk
+    unused, begin = w0["rows_unused"].norm(dim=1), w0["rows_unused_start"].norm(dim=1)
+    assert bool((unused <= begin).all()) and bool((unused > 0.99 * begin).all())
+    assert float(w0["rows_used_moved"]) > 0.01
 
 
 FACTORIES = [gp.CLAN, gp.OneBitLANS]

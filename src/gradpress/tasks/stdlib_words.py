@@ -1,6 +1,6 @@
 """``stdlib-words``: a word-level, post-LayerNorm causal language model, long-tailed vocabulary.
 
-A task that nobody tuned gradpress's defaults on (issue 38): BERT's post-LN layer layout
+A task that nobody tuned gradpress's defaults on: BERT's post-LN layer layout
 (``nn.TransformerEncoderLayer`` with its own defaults: post-LN, ReLU, dropout 0.1), a real
 word-level vocabulary of thousands of entries whose rows are mostly idle on any given step, some
 rows that never occur in the training text at all, and validation on held-out modules. Its set-up
@@ -131,7 +131,7 @@ class StdlibWordsTask(Task):
     description = ("word-level causal LM on the docstrings of CPython's top-level stdlib "
                    "modules (vocabulary of ~5.4k words, some never in training), 4-layer "
                    "post-LN d=128 transformer, ~2.2M parameters")
-    # Frozen when written (issue 38): stdlib-lm's rates, not tuned here; no warm-up, no decay.
+    # Frozen when written: stdlib-lm's rates, not tuned here; no warm-up (a constant lr).
     defaults = TaskDefaults(
         batch_size=16, epochs=100, max_steps=1000,
         lr={"adam": 2e-3, "sgd": 0.3, "lans": 1e-2, "lamb": 1e-2},

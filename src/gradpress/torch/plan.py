@@ -327,6 +327,8 @@ def optimizer_plan(opt: Any) -> Plan:
                      decide_fn=_measured_rule(getattr(opt, "_gp_meter", None)))
     rows = fuse_rows(rows, tensor_fusion([(k, p) for k, p, _ in pushed], min_compress_bytes=limit,
                                          spec=spec, cfg=cfg), cfg.partition_bytes)
+    if traffic is not None:
+        rows += _held_rows(opt, traffic, cfg.partition_bytes)
     if opt._gp_nan == "skip":  # one flag a step: the workers agree to skip non-finite steps
         flag = Decision(codec=None, reason="nan_policy='skip': agrees to skip non-finite steps")
         rows += (tensor_plan(NONFINITE_KEY, NONFINITE_KEY, 1, flag, cfg.partition_bytes),)
@@ -334,6 +336,28 @@ def optimizer_plan(opt: Any) -> Plan:
                 ef=resolve_codec(spec, None, cfg)[1]["ef"], partition_bytes=cfg.partition_bytes,
                 min_compress_bytes=limit, dense_codec=dense,
                 dense_exact=frozenset(n for n, _, _, named in entries if named))
+
+
+def _held_rows(opt: Any, traffic: MomentumTraffic, partition_bytes: int
+               ) -> tuple[TensorPlan, ...]:
+    """A row per tensor whose idle rows :class:`~gradpress.optim.OneBitLANS` holds (step 2b):
+    the exact flags of which rows have a gradient, one fp32 value a row (no model bytes)."""
+    hold = getattr(opt, "hold_idle_rows", False)
+    if not getattr(opt, "compression_active", False):
+        return ()  # decided when the dense phase ends (asking earlier would decide early)
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    out = []
+    for i, p in enumerate(flat):
+        if not opt.state.get(p, {}).get("idle_rows", False) or p.dim() < 2:
+            continue
+        if not (hold(i) if callable(hold) else hold):
+            continue
+        why = Decision(codec=None, reason="which rows have a gradient on each worker: rows "
+                                          "without one on any worker are held, not walked")
+        row = tensor_plan(f"{opt._gp_names[p]} (rows)", f"{traffic.prefix}{i}.rows",
+                          p.shape[0], why, partition_bytes)
+        out.append(replace(row, fp32_bytes=0))
+    return tuple(out)
 
 
 def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
