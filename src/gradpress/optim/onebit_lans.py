@@ -211,8 +211,8 @@ class OneBitLANS(LANS):
                 torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
                 got = est
             if self.variance == "local":
-                got = self._hold_idle_rows(b, group, got, rows)
-                self._local_update(b, group, got, prev, d, s)
+                got, step = self._hold_idle_rows(b, group, got, rows)
+                self._local_update(b, group, got, prev, d, s, step)
                 continue
             if self.precondition:
                 got = torch._foreach_mul(got, d)        # back from x/d to x
@@ -245,9 +245,10 @@ class OneBitLANS(LANS):
         counts of the tensors with idle rows by position in ``b``)."""
         beta1, beta2 = group["betas"]
         if self.variance == "local":
-            rows = self._send_rows(b, group)   # before normalising: which rows have a gradient
+            flags = self._row_flags(b, group)  # before normalising: which rows have a gradient
             g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-            return self._send_local(b, group, g, blend) + (rows,)
+            sent, prev, ds = self._local_moments(b, group, g, blend)
+            return self._launch(b, sent), prev, ds, None, self._send_rows(b, flags, sent)
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         ds = self._denominators(b, group)
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
@@ -276,10 +277,10 @@ class OneBitLANS(LANS):
             if g.dim() >= 2 and not st.get("idle_rows", False):
                 st["idle_rows"] = not bool(g.reshape(g.shape[0], -1).any(dim=1).all())
 
-    def _send_rows(self, b: Bucket, group: dict[str, Any]) -> dict[int, Any]:
-        """Step 2b: for each tensor with idle rows, communicate (exact, key ``"<i>.rows"``)
-        which of its rows have a gradient on this worker (1.0) or none (0.0). At the first
-        compressed step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for step 2c."""
+    def _row_flags(self, b: Bucket, group: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """Step 2b: for each tensor whose idle rows are held (by position in ``b``), which of
+        its rows have a gradient on this worker (1.0) or none (0.0). At the first compressed
+        step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for step 2c."""
         out = {}
         hold = self.hold_idle_rows
         for j, (p, g) in enumerate(zip(b.params, b.grads)):
@@ -287,29 +288,45 @@ class OneBitLANS(LANS):
             if st.get("idle_rows", False) and (hold(b.indices[j]) if callable(hold) else hold):
                 if "shared_momentum" not in st:   # m and v are still the dense phase's
                     st["shared_momentum"] = b.exp_avgs[j] / self._last_denominator(p, group)
-                touched = g.reshape(g.shape[0], -1).any(dim=1).to(g.dtype)
-                key = f"{b.indices[j]}.rows"
-                out[j] = touched if self._communicate is None else self._communicate(key, touched)
+                out[j] = g.reshape(g.shape[0], -1).any(dim=1).to(g.dtype)
+        return out
+
+    def _send_rows(self, b: Bucket, flags: dict[int, torch.Tensor],
+                   sent: list[torch.Tensor]) -> dict[int, Any]:
+        """Step 2b: communicate (exact, key ``"<i>.rows"``) each held tensor's row flags and,
+        as one more value, the norm of what this worker sent for it."""
+        out = {}
+        for j, touched in flags.items():
+            msg = torch.cat([touched, sent[j].norm().reshape(1).to(touched.dtype)])
+            key = f"{b.indices[j]}.rows"
+            out[j] = msg if self._communicate is None else self._communicate(key, msg)
         return out
 
     def _hold_idle_rows(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
-                        rows: dict[int, Any]) -> list[torch.Tensor]:
+                        rows: dict[int, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Step 2c: in the averaged ``a`` of a tensor with idle rows, a row that has no gradient
         on any worker takes its last shared value decayed as LANS's moments decay without a
         gradient (``b1/sqrt(b2)``), not the codec's: a one-bit code gives every element the same
-        magnitude, so unused rows would walk. Rows never used keep ``a = 0``."""
+        magnitude, so unused rows would walk. Rows never used keep ``a = 0``. Returns (``a``,
+        the direction of the step): in the step, the rows in use are scaled up to the mean norm
+        of what the workers sent, since a one-bit scale averaged over idle rows shrinks them."""
         if not rows:
-            return got
+            return got, got
         beta1, beta2 = group["betas"]
-        got = list(got)
+        got, step = list(got), list(got)
         for j, pending in rows.items():
             p, a = b.params[j], got[j]
-            counts = pending.wait() if hasattr(pending, "wait") else pending
-            used = (counts > 0).reshape((-1,) + (1,) * (a.dim() - 1))
+            msg = pending.wait() if hasattr(pending, "wait") else pending
+            used = (msg[:-1] > 0).reshape((-1,) + (1,) * (a.dim() - 1))
             st = self.state[p]
             got[j] = torch.where(used, a, st["shared_momentum"] * (beta1 / beta2 ** 0.5))
             st["shared_momentum"] = got[j].clone()
-        return got
+            held_sq = float(got[j].masked_fill(used, 0).square().sum())
+            used_sq = float(got[j].masked_fill(~used, 0).square().sum())
+            scale_sq = (float(msg[-1]) ** 2 - held_sq) / used_sq if used_sq > 0 else 1.0
+            step[j] = torch.where(used, got[j] * scale_sq ** 0.5, got[j]) if scale_sq > 1 \
+                else got[j]
+        return got, step
 
     def _last_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """``sqrt(vh)+eps`` of ``p``'s second moment before this step's update (bias-corrected
@@ -318,10 +335,10 @@ class OneBitLANS(LANS):
         t = int(st["step"]) - 1
         return (st["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(group["eps"])
 
-    def _send_local(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
-                    blend: bool) -> tuple[list[Any], Any, Any, None]:
+    def _local_moments(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
+                       blend: bool) -> tuple[list[torch.Tensor], Any, Any]:
         """Step 2 (local ``v``) up to the communication: ``v`` and ``m`` from the local
-        gradient, ``m/d`` sent; returns (pending, b1*a_prev or None, ``(d, s)``, None)."""
+        gradient; returns (``m/d``, to send; b1*a_prev or None; ``(d, s)``)."""
         beta1, beta2 = group["betas"]
         prev = None
         if blend:  # a_prev; at the first compressed step the dense phase's (shared) m/d
@@ -333,17 +350,18 @@ class OneBitLANS(LANS):
                                       beta1)
         moments_(b, g, beta1, beta2)                       # this worker's own m and v
         d, s = adam_denominators(b, beta2, group["eps"])   # bias-corrected at t, as LANS
-        return self._launch(b, torch._foreach_div(b.exp_avgs, d)), prev, (d, s), None
+        return torch._foreach_div(b.exp_avgs, d), prev, (d, s)
 
     def _local_update(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
                       prev: list[torch.Tensor] | None, d: list[torch.Tensor],
-                      s: list[float]) -> None:
-        """Step 3 (local ``v``): the update from the shared average ``a = got``."""
+                      s: list[float], step: list[torch.Tensor]) -> None:
+        """Step 3 (local ``v``): the update along ``step`` (the shared average ``a = got``,
+        idle rows' step 2c applied)."""
         for p, m, a, di in zip(b.params, b.exp_avgs, got, d):
             torch.mul(a, di, out=m)                 # this worker's momentum, in its units
             if prev is not None:
                 self.state[p]["shared_momentum"] = a.clone()
-        self._momentum_update(b, group, prev, got, None, s)
+        self._momentum_update(b, group, prev, step, None, s)
 
     def _denominators(self, b: Bucket, group: dict[str, Any]
                       ) -> tuple[list[torch.Tensor], list[float]]:
