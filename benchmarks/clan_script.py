@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="parameter names kept exact (e.g. pos.weight; none given: none); "
                         "default: the factory's own, measured in the dense phase")
     f.add_argument("--save-model", type=Path, metavar="FILE",
-                   help="rank 0 saves {'model': state_dict} here at the end "
-                        "(benchmarks/row_drift.py reads it)")
+                   help="rank 0 saves {'model': state_dict, 'probe_log': the health watch's "
+                        "probes per tensor} here at the end (benchmarks/row_drift.py)")
     f.add_argument("--min-compress-bytes", type=int, default=None,
                    help="smaller tensors travel exact (default: the factory's own, \"auto\": "
                         "the largest tensors holding 95%% of the bytes are compressed; "
@@ -127,7 +127,9 @@ def run_factory(args: argparse.Namespace) -> None:
     s.finish(model, task=args.task)
     if args.save_model is not None and gp.rank() == 0:
         args.save_model.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict()}, args.save_model)
+        probes = {name: opt.state[p]["probe_log"] for name, p in model.named_parameters()
+                  if "probe_log" in opt.state.get(p, {})}
+        torch.save({"model": model.state_dict(), "probe_log": probes}, args.save_model)
 
 
 def run_train(args: argparse.Namespace) -> None:

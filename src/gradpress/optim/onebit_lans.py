@@ -25,6 +25,7 @@ from ._common import (
     scaled_by,
     trust_ratios,
 )
+from .health import HealthWatch
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam, _split, _split_where, received
 
@@ -117,7 +118,10 @@ class OneBitLANS(LANS):
         hold_idle_rows: step 2b for every tensor with idle rows (True), none (False, the
             default), or those whose flat index ``i`` has ``hold_idle_rows(i)`` true (a
             callable). ``gp.OneBitLANS`` holds those whose momentum travels compressed. Needs
-            ``variance="local"``.
+            ``variance="local"``; the same tensors are the ones ``watch`` watches.
+        watch: a :class:`~gradpress.optim.health.HealthWatch` that probes the compressed
+            momenta against their exact average and has a drifted tensor recover (the caller
+            routes it by :meth:`recovering` and :meth:`generation`); None (the default): none.
         variance, precondition, sends, ef21, refresh_every: the experiment switches above
             (``"local"``, True, ``"momentum"``, False, None by default).
 
@@ -140,7 +144,8 @@ class OneBitLANS(LANS):
                  blend: bool | Callable[[int], bool] = False, precondition: bool = True,
                  sends: str = "momentum", ef21: bool = False,
                  refresh_every: int | None = None,
-                 hold_idle_rows: bool | Callable[[int], bool] = False) -> None:
+                 hold_idle_rows: bool | Callable[[int], bool] = False,
+                 watch: HealthWatch | None = None) -> None:
         if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 1:
             raise ValueError(f"dense_steps must be an int >= 1, got {dense_steps!r}")
         if callable(blend) and variance != "local":
@@ -160,6 +165,10 @@ class OneBitLANS(LANS):
             raise TypeError(f"hold_idle_rows must be a bool or a callable, got "
                             f"{hold_idle_rows!r}")
         self.hold_idle_rows = hold_idle_rows
+        if watch is not None and not isinstance(watch, HealthWatch):
+            raise TypeError(f"watch must be a gradpress.optim.health.HealthWatch or None, got "
+                            f"{watch!r}")
+        self.watch = watch
         self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
         self.variance = _check_variance(variance, self)
         self._setup(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -205,13 +214,14 @@ class OneBitLANS(LANS):
             for part, blend in self._by_blend(comp):
                 # Step 2: launch every communication of the step before waiting for any.
                 stages.append((part, group) + self._send(part, group, blend))
-        for b, group, pending, prev, (d, s), est, rows in stages:
+        for b, group, pending, prev, (d, s), est, rows, probes in stages:
             got = received(b, pending)
             if est is not None:
                 torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
                 got = est
             if self.variance == "local":
                 got, step = self._hold_idle_rows(b, group, got, rows)
+                self._check_health(b, step, probes)
                 self._local_update(b, group, got, prev, d, s, step)
                 continue
             if self.precondition:
@@ -248,7 +258,8 @@ class OneBitLANS(LANS):
             flags = self._row_flags(b, group)  # before normalising: which rows have a gradient
             g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
             sent, prev, ds = self._local_moments(b, group, g, blend)
-            return self._launch(b, sent), prev, ds, None, self._send_rows(b, flags, sent)
+            return (self._launch(b, sent), prev, ds, None, self._send_rows(b, flags, sent),
+                    self._send_probes(b, group, sent))
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         ds = self._denominators(b, group)
         d = ds[0] if self.precondition else None     # what the sent tensors are divided by
@@ -267,7 +278,52 @@ class OneBitLANS(LANS):
         sent = torch._foreach_div(src, d) if d is not None else list(src)
         if est is not None:
             sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
-        return self._launch(b, sent), prev, ds, est, {}
+        return self._launch(b, sent), prev, ds, est, {}, {}
+
+    def _holds(self, index: int) -> bool:
+        """Whether ``hold_idle_rows`` (and the watch) apply to flat parameter ``index``."""
+        hold = self.hold_idle_rows
+        return bool(hold(index)) if callable(hold) else hold
+
+    def _send_probes(self, b: Bucket, group: dict[str, Any], sent: list[torch.Tensor]
+                     ) -> dict[int, Any]:
+        """Watch step 1: on a probe step, communicate each watched tensor's ``m/d`` again,
+        key ``"<i>.probe"``, to be averaged exactly (:mod:`gradpress.optim.health`)."""
+        w = self.watch
+        if w is None:
+            return {}
+        out = {}
+        for j, (i, t) in enumerate(zip(b.indices, b.steps)):
+            if w.probes(t, group["dense_steps"]) and self._holds(i) and not self.recovering(i):
+                c = self._communicate
+                out[j] = sent[j] if c is None else c(f"{i}.probe", sent[j])
+        return out
+
+    def _check_health(self, b: Bucket, step: list[torch.Tensor], probes: dict[int, Any]
+                      ) -> None:
+        """Watch steps 2-3: the step's cosine with the exact average of the probes."""
+        for j, pending in probes.items():
+            exact = pending.wait() if hasattr(pending, "wait") else pending
+            self.watch.check(self.state[b.params[j]], b.indices[j], b.steps[j], step[j], exact)
+
+    def _param(self, index: int) -> torch.Tensor:
+        """The parameter at flat position ``index`` of ``param_groups``."""
+        flat = getattr(self, "_flat", None)
+        if flat is None or flat[0] != len(self.param_groups):
+            flat = (len(self.param_groups), [p for g in self.param_groups for p in g["params"]])
+            self._flat = flat
+        return flat[1][index]
+
+    def recovering(self, index: int) -> bool:
+        """Whether flat parameter ``index``'s momentum travels exact this step, recovering from
+        a drift the watch saw (:mod:`gradpress.optim.health`); False without a watch."""
+        st = self.state.get(self._param(index), {})
+        return self.watch is not None and HealthWatch.recovering(st, int(st.get("step", 0)))
+
+    def generation(self, index: int) -> int:
+        """How many drifts flat parameter ``index`` recovered from: its compressed keys'
+        residuals start afresh with each (the caller names each generation's keys apart)."""
+        return int(self.state.get(self._param(index), {}).get("generation", 0))
 
     def _note_idle_rows(self, b: Bucket) -> None:
         """Step 1b: mark a tensor of two or more dimensions whose averaged dense-phase gradient
@@ -282,10 +338,9 @@ class OneBitLANS(LANS):
         its rows have a gradient on this worker (1.0) or none (0.0). At the first compressed
         step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for step 2c."""
         out = {}
-        hold = self.hold_idle_rows
         for j, (p, g) in enumerate(zip(b.params, b.grads)):
             st = self.state[p]
-            if st.get("idle_rows", False) and (hold(b.indices[j]) if callable(hold) else hold):
+            if st.get("idle_rows", False) and self._holds(b.indices[j]):
                 if "shared_momentum" not in st:   # m and v are still the dense phase's
                     st["shared_momentum"] = b.exp_avgs[j] / self._last_denominator(p, group)
                 out[j] = g.reshape(g.shape[0], -1).any(dim=1).to(g.dtype)

@@ -19,6 +19,7 @@ from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from ..optim import OneBitLANS as _OneBitLANSCore
 from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
+from ..optim.health import HealthWatch
 from .agreement import auto_min_compress_bytes
 from .fusion import momentum_fuser
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
@@ -224,15 +225,26 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         if not fusion:  # small momenta share fused keys (gradpress.torch.fusion)
             fusion.append(momentum_fuser(groups, prefix=f"{prefix}.clan_m.", spec=spec,
                                          min_compress_bytes=min_compress_bytes))
-        if fusion[0].fuses(f"{prefix}.clan_m.{key}"):
-            return fusion[0].add(f"{prefix}.clan_m.{key}", m)
+        name = f"{prefix}.clan_m.{key}"
+        if fusion[0].fuses(name):
+            return fusion[0].add(name, m)
+        if key.endswith(".rows"):  # which rows of an embedding-like tensor have a gradient
+            return push_pull_async(m, name=name, average=True, compression="none",
+                                   min_compress_bytes=ALWAYS_EXACT)
+        if key.endswith(".probe"):  # the health watch's exact average, as the dense phase's
+            return push_pull_async(m, name=name, average=True, compression=warm or "none",
+                                   min_compress_bytes=0)
+        # a drifted tensor travels exact for a while, then compressed under fresh keys (new
+        # residuals) named by its generation
+        i = int(key)
+        gen, recovering = core[0].generation(i), core[0].recovering(i)
+        name += f".x{gen}" if recovering else f".g{gen}" if gen else ""
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
         step_lr = groups[0]["lr"] if needs_lr else None
-        # "<i>.rows": which rows of an embedding-like tensor have a gradient, always exact
-        limit = ALWAYS_EXACT if key in exact or key.endswith(".rows") else min_compress_bytes
-        return push_pull_async(m, name=f"{prefix}.clan_m.{key}", average=True,
-                               compression=spec, lr=step_lr, min_compress_bytes=limit)
+        limit = ALWAYS_EXACT if key in exact or recovering else min_compress_bytes
+        return push_pull_async(m, name=name, average=True, compression=spec, lr=step_lr,
+                               min_compress_bytes=limit)
 
     def compressed(i: int) -> bool:  # step 2b: hold the idle rows of compressed momenta
         decide()
@@ -240,12 +252,14 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         return not travels_exact(p.numel(), spec=spec, exact=str(i) in exact,
                                  min_compress_bytes=min_compress_bytes)
 
+    core: list[Any] = []                        # the core optimizer, once built
+    warm = dense_codec(spec)
     opt = _OneBitLANSCore(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           dense_steps=dense_steps, communicate=communicate, blend=blend,
-                          hold_idle_rows=compressed)
+                          hold_idle_rows=compressed, watch=HealthWatch())
+    core.append(opt)
     groups.extend(opt.param_groups)
     exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)
-    warm = dense_codec(spec)
     set_momentum_traffic(opt, MomentumTraffic(prefix=f"{prefix}.clan_m.", compression=spec,
                                               min_compress_bytes=min_compress_bytes,
                                               exact_keys=frozenset(exact),
