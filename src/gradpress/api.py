@@ -244,8 +244,9 @@ def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
 
 def stats() -> dict[str, float]:
     """Counters of this worker: ``bytes_pushed``, ``bytes_pulled``, ``dense_fp32_bytes``,
-    ``steps`` (completed push_pulls), ``chunks``, and per-stage seconds ``compress_s``,
-    ``send_s``, ``wait_s`` (waiting for replies) and ``decompress_s``."""
+    ``steps`` (completed push_pulls), ``chunks``, ``drift_recoveries`` (compressed momenta
+    that drifted and recovered, :mod:`gradpress.optim.health`), and per-stage seconds
+    ``compress_s``, ``send_s``, ``wait_s`` (waiting for replies) and ``decompress_s``."""
     return _rt().worker.stats()
 
 

@@ -32,11 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["HealthWatch", "DEFAULT_PROBE_EVERY", "DEFAULT_THRESHOLD", "DEFAULT_RECOVER_STEPS"]
+from ._common import Bucket
+
+__all__ = ["HealthWatch", "Watched", "DEFAULT_PROBE_EVERY", "DEFAULT_THRESHOLD",
+           "DEFAULT_RECOVER_STEPS"]
 
 log = logging.getLogger(__name__)
 
-#: A probe every this many compression-stage steps: 1.5% of fp32's bytes for a bf16 copy.
+#: A probe every this many compression-stage steps: a bf16 copy, 0.5% of fp32's bytes a step.
 DEFAULT_PROBE_EVERY = 100
 #: A step whose cosine with the exact average falls below this has drifted.
 DEFAULT_THRESHOLD = 0.0
@@ -73,10 +76,11 @@ class HealthWatch:
         """Step 1: whether compression-stage step ``t`` (a tensor's count) is a probe step."""
         return t > dense_steps and (t - dense_steps) % self.every == 0
 
-    def check(self, st: dict[str, Any], index: int, t: int, step: torch.Tensor,
+    def check(self, st: dict[str, Any], label: str, t: int, step: torch.Tensor,
               exact: torch.Tensor) -> bool:
-        """Steps 2-3 for one tensor (``st`` its optimizer state): keep the cosine and return
-        whether it drifted (then it recovers until ``t + recover_steps``)."""
+        """Steps 2-3 for one tensor (``st`` its optimizer state, ``label`` its name in the
+        warning): keep the cosine and return whether it drifted (then it recovers until
+        ``t + recover_steps``)."""
         cos = _cosine(step, exact)
         st["probe_cos"] = cos
         st.setdefault("probe_log", []).append((t, cos))
@@ -85,9 +89,9 @@ class HealthWatch:
         st["recover_until"] = t + self.recover_steps
         st["generation"] = int(st.get("generation", 0)) + 1
         st["recoveries"] = int(st.get("recoveries", 0)) + 1
-        log.warning("compressed momentum of parameter %d drifted at step %d: cos %.3f with the "
-                    "exact average (threshold %g); it travels exact for %d steps and its "
-                    "residuals start afresh", index, t, cos, self.threshold, self.recover_steps)
+        log.warning("the compressed momentum of %s drifted at step %d: cos %.3f with the exact "
+                    "average (threshold %g); it travels exact for %d steps, then compressed "
+                    "with fresh residuals", label, t, cos, self.threshold, self.recover_steps)
         return True
 
     @staticmethod
@@ -105,3 +109,60 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     if na == 0.0 or nb == 0.0 or not math.isfinite(na * nb):
         return 0.0 if math.isfinite(na * nb) else -1.0
     return float(a @ b) / (na * nb)
+
+
+class Watched:
+    """Mixin of :class:`~gradpress.optim.OneBitLANS`: the watch's steps inside its ``step()``.
+    Needs ``state``, ``param_groups``, ``_communicate``, ``watch`` (a :class:`HealthWatch` or
+    None), ``param_names`` and ``_holds(index)`` (the tensors watched)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+    _communicate: Any
+    watch: HealthWatch | None
+    param_names: dict[int, str]
+
+    def _holds(self, index: int) -> bool:
+        raise NotImplementedError
+
+    def _send_probes(self, b: Bucket, group: dict[str, Any], sent: list[torch.Tensor]
+                     ) -> dict[int, Any]:
+        """Watch step 1: on a probe step, communicate each watched tensor's ``m/d`` again,
+        key ``"<i>.probe"``, to be averaged exactly (:mod:`gradpress.optim.health`)."""
+        w = self.watch
+        if w is None:
+            return {}
+        out = {}
+        for j, (i, t) in enumerate(zip(b.indices, b.steps)):
+            if w.probes(t, group["dense_steps"]) and self._holds(i) and not self.recovering(i):
+                c = self._communicate
+                out[j] = sent[j] if c is None else c(f"{i}.probe", sent[j])
+        return out
+
+    def _check_health(self, b: Bucket, step: list[torch.Tensor], probes: dict[int, Any]
+                      ) -> None:
+        """Watch steps 2-3: the step's cosine with the exact average of the probes."""
+        for j, pending in probes.items():
+            exact = pending.wait() if hasattr(pending, "wait") else pending
+            i = b.indices[j]
+            label = self.param_names.get(i, f"parameter {i}")
+            self.watch.check(self.state[b.params[j]], label, b.steps[j], step[j], exact)
+
+    def _param(self, index: int) -> torch.Tensor:
+        """The parameter at flat position ``index`` of ``param_groups``."""
+        flat = getattr(self, "_flat", None)
+        if flat is None or flat[0] != len(self.param_groups):
+            flat = (len(self.param_groups), [p for g in self.param_groups for p in g["params"]])
+            self._flat = flat
+        return flat[1][index]
+
+    def recovering(self, index: int) -> bool:
+        """Whether flat parameter ``index``'s momentum travels exact this step, recovering from
+        a drift the watch saw (:mod:`gradpress.optim.health`); False without a watch."""
+        st = self.state.get(self._param(index), {})
+        return self.watch is not None and HealthWatch.recovering(st, int(st.get("step", 0)))
+
+    def generation(self, index: int) -> int:
+        """How many drifts flat parameter ``index`` recovered from: its compressed keys'
+        residuals start afresh with each (the caller names each generation's keys apart)."""
+        return int(self.state.get(self._param(index), {}).get("generation", 0))

@@ -25,7 +25,8 @@ from ._common import (
     scaled_by,
     trust_ratios,
 )
-from .health import HealthWatch
+from .health import HealthWatch, Watched
+from .idle_rows import IdleRows
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam, _split, _split_where, received
 
@@ -37,7 +38,7 @@ SENDS = ("momentum", "gradient")
 VARIANCES = ("frozen", "local")
 
 
-class OneBitLANS(LANS):
+class OneBitLANS(IdleRows, Watched, LANS):
     r"""1-bit LANS, single-process core (the distributed layer supplies ``communicate``).
 
     Per parameter tensor ``x`` at its step ``t`` with ``g = p.grad``:
@@ -169,6 +170,8 @@ class OneBitLANS(LANS):
             raise TypeError(f"watch must be a gradpress.optim.health.HealthWatch or None, got "
                             f"{watch!r}")
         self.watch = watch
+        #: flat index -> parameter name, for the watch's warnings (``gp.OneBitLANS`` sets it)
+        self.param_names: dict[int, str] = {}
         self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
         self.variance = _check_variance(variance, self)
         self._setup(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -284,111 +287,6 @@ class OneBitLANS(LANS):
         """Whether ``hold_idle_rows`` (and the watch) apply to flat parameter ``index``."""
         hold = self.hold_idle_rows
         return bool(hold(index)) if callable(hold) else hold
-
-    def _send_probes(self, b: Bucket, group: dict[str, Any], sent: list[torch.Tensor]
-                     ) -> dict[int, Any]:
-        """Watch step 1: on a probe step, communicate each watched tensor's ``m/d`` again,
-        key ``"<i>.probe"``, to be averaged exactly (:mod:`gradpress.optim.health`)."""
-        w = self.watch
-        if w is None:
-            return {}
-        out = {}
-        for j, (i, t) in enumerate(zip(b.indices, b.steps)):
-            if w.probes(t, group["dense_steps"]) and self._holds(i) and not self.recovering(i):
-                c = self._communicate
-                out[j] = sent[j] if c is None else c(f"{i}.probe", sent[j])
-        return out
-
-    def _check_health(self, b: Bucket, step: list[torch.Tensor], probes: dict[int, Any]
-                      ) -> None:
-        """Watch steps 2-3: the step's cosine with the exact average of the probes."""
-        for j, pending in probes.items():
-            exact = pending.wait() if hasattr(pending, "wait") else pending
-            self.watch.check(self.state[b.params[j]], b.indices[j], b.steps[j], step[j], exact)
-
-    def _param(self, index: int) -> torch.Tensor:
-        """The parameter at flat position ``index`` of ``param_groups``."""
-        flat = getattr(self, "_flat", None)
-        if flat is None or flat[0] != len(self.param_groups):
-            flat = (len(self.param_groups), [p for g in self.param_groups for p in g["params"]])
-            self._flat = flat
-        return flat[1][index]
-
-    def recovering(self, index: int) -> bool:
-        """Whether flat parameter ``index``'s momentum travels exact this step, recovering from
-        a drift the watch saw (:mod:`gradpress.optim.health`); False without a watch."""
-        st = self.state.get(self._param(index), {})
-        return self.watch is not None and HealthWatch.recovering(st, int(st.get("step", 0)))
-
-    def generation(self, index: int) -> int:
-        """How many drifts flat parameter ``index`` recovered from: its compressed keys'
-        residuals start afresh with each (the caller names each generation's keys apart)."""
-        return int(self.state.get(self._param(index), {}).get("generation", 0))
-
-    def _note_idle_rows(self, b: Bucket) -> None:
-        """Step 1b: mark a tensor of two or more dimensions whose averaged dense-phase gradient
-        has a row of zeros (an embedding's unused rows); the same on every worker."""
-        for p, g in zip(b.params, b.grads):
-            st = self.state[p]
-            if g.dim() >= 2 and not st.get("idle_rows", False):
-                st["idle_rows"] = not bool(g.reshape(g.shape[0], -1).any(dim=1).all())
-
-    def _row_flags(self, b: Bucket, group: dict[str, Any]) -> dict[int, torch.Tensor]:
-        """Step 2b: for each tensor whose idle rows are held (by position in ``b``), which of
-        its rows have a gradient on this worker (1.0) or none (0.0). At the first compressed
-        step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for step 2c."""
-        out = {}
-        for j, (p, g) in enumerate(zip(b.params, b.grads)):
-            st = self.state[p]
-            if st.get("idle_rows", False) and self._holds(b.indices[j]):
-                if "shared_momentum" not in st:   # m and v are still the dense phase's
-                    st["shared_momentum"] = b.exp_avgs[j] / self._last_denominator(p, group)
-                out[j] = g.reshape(g.shape[0], -1).any(dim=1).to(g.dtype)
-        return out
-
-    def _send_rows(self, b: Bucket, flags: dict[int, torch.Tensor],
-                   sent: list[torch.Tensor]) -> dict[int, Any]:
-        """Step 2b: communicate (exact, key ``"<i>.rows"``) each held tensor's row flags and,
-        as one more value, the norm of what this worker sent for it."""
-        out = {}
-        for j, touched in flags.items():
-            msg = torch.cat([touched, sent[j].norm().reshape(1).to(touched.dtype)])
-            key = f"{b.indices[j]}.rows"
-            out[j] = msg if self._communicate is None else self._communicate(key, msg)
-        return out
-
-    def _hold_idle_rows(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
-                        rows: dict[int, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Step 2c: in the averaged ``a`` of a tensor with idle rows, a row that has no gradient
-        on any worker takes its last shared value decayed as LANS's moments decay without a
-        gradient (``b1/sqrt(b2)``), not the codec's: a one-bit code gives every element the same
-        magnitude, so unused rows would walk. Rows never used keep ``a = 0``. Returns (``a``,
-        the direction of the step): in the step, the rows in use are scaled up to the mean norm
-        of what the workers sent, since a one-bit scale averaged over idle rows shrinks them."""
-        if not rows:
-            return got, got
-        beta1, beta2 = group["betas"]
-        got, step = list(got), list(got)
-        for j, pending in rows.items():
-            p, a = b.params[j], got[j]
-            msg = pending.wait() if hasattr(pending, "wait") else pending
-            used = (msg[:-1] > 0).reshape((-1,) + (1,) * (a.dim() - 1))
-            st = self.state[p]
-            got[j] = torch.where(used, a, st["shared_momentum"] * (beta1 / beta2 ** 0.5))
-            st["shared_momentum"] = got[j].clone()
-            held_sq = float(got[j].masked_fill(used, 0).square().sum())
-            used_sq = float(got[j].masked_fill(~used, 0).square().sum())
-            scale_sq = (float(msg[-1]) ** 2 - held_sq) / used_sq if used_sq > 0 else 1.0
-            step[j] = torch.where(used, got[j] * scale_sq ** 0.5, got[j]) if scale_sq > 1 \
-                else got[j]
-        return got, step
-
-    def _last_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """``sqrt(vh)+eps`` of ``p``'s second moment before this step's update (bias-corrected
-        at the previous step): the dense phase's, identical on every worker."""
-        st, beta2 = self.state[p], group["betas"][1]
-        t = int(st["step"]) - 1
-        return (st["exp_avg_sq"] / (1.0 - beta2 ** t)).sqrt_().add_(group["eps"])
 
     def _local_moments(self, b: Bucket, group: dict[str, Any], g: list[torch.Tensor],
                        blend: bool) -> tuple[list[torch.Tensor], Any, Any]:

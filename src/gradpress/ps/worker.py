@@ -110,7 +110,8 @@ class WorkerEngine:
         self._error: BaseException | None = None
         self._closed = False
         self._stats: dict[str, float] = dict.fromkeys(
-            ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes", "steps", "chunks"), 0)
+            ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes", "steps", "chunks",
+             "drift_recoveries"), 0)
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
         self._streams: dict[int | None, Any] = {}  # CUDA copy stream per device index
         self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed

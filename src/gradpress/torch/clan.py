@@ -190,7 +190,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         ValueError: a hyperparameter or a codec spec is invalid, or a pattern matches no name.
         TypeError: ``uncompressed_params`` is a single string.
     """
-    from ..api import push_pull_async
+    from ..api import _rt, push_pull_async
     from ..compress.registry import ef_needs_lr
 
     _check_dense_steps(dense_steps, 1)
@@ -238,6 +238,9 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         # residuals) named by its generation
         i = int(key)
         gen, recovering = core[0].generation(i), core[0].recovering(i)
+        if gen > drifts.get(i, 0):  # the watch saw a drift at the last step: count it once
+            _rt().worker.account(drift_recoveries=gen - drifts.get(i, 0))
+            drifts[i] = gen
         name += f".x{gen}" if recovering else f".g{gen}" if gen else ""
         # corrected error feedback rescales the residuals by the change of the current lr;
         # anneal=1 moves the workers' decay towards 1 as it falls
@@ -253,10 +256,12 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
                                  min_compress_bytes=min_compress_bytes)
 
     core: list[Any] = []                        # the core optimizer, once built
+    drifts: dict[int, int] = {}                 # flat index -> drifts counted in gp.stats()
     warm = dense_codec(spec)
     opt = _OneBitLANSCore(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           dense_steps=dense_steps, communicate=communicate, blend=blend,
                           hold_idle_rows=compressed, watch=HealthWatch())
+    opt.param_names = {i: n for i, (n, _) in enumerate(named)}
     core.append(opt)
     groups.extend(opt.param_groups)
     exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)

@@ -328,7 +328,8 @@ def optimizer_plan(opt: Any) -> Plan:
     rows = fuse_rows(rows, tensor_fusion([(k, p) for k, p, _ in pushed], min_compress_bytes=limit,
                                          spec=spec, cfg=cfg), cfg.partition_bytes)
     if traffic is not None:
-        rows += _held_rows(opt, traffic, cfg.partition_bytes)
+        rows = _health_notes(opt, traffic, rows) + _held_rows(opt, traffic,
+                                                              cfg.partition_bytes)
     if opt._gp_nan == "skip":  # one flag a step: the workers agree to skip non-finite steps
         flag = Decision(codec=None, reason="nan_policy='skip': agrees to skip non-finite steps")
         rows += (tensor_plan(NONFINITE_KEY, NONFINITE_KEY, 1, flag, cfg.partition_bytes),)
@@ -336,6 +337,24 @@ def optimizer_plan(opt: Any) -> Plan:
                 ef=resolve_codec(spec, None, cfg)[1]["ef"], partition_bytes=cfg.partition_bytes,
                 min_compress_bytes=limit, dense_codec=dense,
                 dense_exact=frozenset(n for n, _, _, named in entries if named))
+
+
+def _health_notes(opt: Any, traffic: MomentumTraffic, rows: Sequence[TensorPlan]
+                  ) -> tuple[TensorPlan, ...]:
+    """``rows`` with what the health watch measured (:mod:`gradpress.optim.health`): the last
+    probe's cosine with the exact average and the drifts recovered from."""
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    by_key = {f"{traffic.prefix}{i}": opt.state.get(p, {}) for i, p in enumerate(flat)}
+    out = []
+    for t in rows:
+        st = by_key.get(t.key, {})
+        if "probe_cos" in st:
+            note = f"; cos {st['probe_cos']:.2f} with the exact average at the last probe"
+            if st.get("recoveries"):
+                note += f", drifted and recovered {st['recoveries']} time(s)"
+            t = replace(t, reason=t.reason + note)
+        out.append(t)
+    return tuple(out)
 
 
 def _held_rows(opt: Any, traffic: MomentumTraffic, partition_bytes: int
