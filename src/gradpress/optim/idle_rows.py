@@ -1,4 +1,4 @@
-"""OneBitLANS's idle rows (step 2b-2c of :class:`~gradpress.optim.OneBitLANS`).
+"""OneBitLANS's idle rows (step 2b of :class:`~gradpress.optim.OneBitLANS`).
 
 A tensor of two or more dimensions whose averaged dense-phase gradient had a row of zeros (an
 embedding) is marked on every worker alike. In the compression stage each worker sends, exact,
@@ -42,7 +42,7 @@ class IdleRows:
     def _row_flags(self, b: Bucket, group: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Step 2b: for each tensor whose idle rows are held (by position in ``b``), which of
         its rows have a gradient on this worker (1.0) or none (0.0). At the first compressed
-        step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for step 2c."""
+        step, keep the dense phase's shared ``m/(sqrt(vh)+eps)`` for :meth:`_hold_idle_rows`."""
         out = {}
         for j, (p, g) in enumerate(zip(b.params, b.grads)):
             st = self.state[p]
@@ -65,7 +65,7 @@ class IdleRows:
 
     def _hold_idle_rows(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
                         rows: dict[int, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Step 2c: in the averaged ``a`` of a tensor with idle rows, a row that has no gradient
+        """Step 2b, on receipt: in the averaged ``a`` of a tensor with idle rows, a row that has no gradient
         on any worker takes its last shared value decayed as LANS's moments decay without a
         gradient (``b1/sqrt(b2)``), not the codec's: a one-bit code gives every element the same
         magnitude, so unused rows would walk. Rows never used keep ``a = 0``. Returns (``a``,

@@ -63,7 +63,11 @@ class OneBitLANS(IdleRows, Watched, LANS):
        gradient, instead of what the codec sent: a one-bit code gives every element the same
        magnitude, so rows without gradient would walk (DeepSpeed's 1-bit Adam masks such rows
        by hand; here they are measured). Rows never used stay at ``a = 0`` and move by weight
-       decay only, as under LANS.
+       decay only, as under LANS. The step scales the rows in use up to the workers' mean norm
+       of what they sent (sent with the flags): a one-bit scale averaged over idle rows shrinks
+       them, which would inflate weight decay's share of step 3 (:mod:`.idle_rows`).
+    2c. Health watch (``watch``): every few steps the sent ``m/d`` are also averaged exactly;
+       a tensor whose step points away from that average recovers (:mod:`.health`).
     3. Compression-stage update, LAMB's step as in 1-bit LAMB: ``r = a*sb + wd*x``
        (``sb = 1/(1-b1^t)``, the momentum's bias correction), ``q_r = ||x||/||r||`` (1 where a
        norm is 0, clamped to the trust bounds), ``x = x - lr*q_r*r``.
@@ -252,10 +256,10 @@ class OneBitLANS(IdleRows, Watched, LANS):
         return [(part, flag) for part, flag in ((yes, True), (no, False)) if part.params]
 
     def _send(self, b: Bucket, group: dict[str, Any], blend: bool
-              ) -> tuple[list[Any], Any, Any, Any, dict[int, Any]]:
+              ) -> tuple[list[Any], Any, Any, Any, dict[int, Any], dict[int, Any]]:
         """Step 2 up to the communication: returns (pending, b1*m_prev or None, the
-        ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None, the pending row
-        counts of the tensors with idle rows by position in ``b``)."""
+        ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None, and by position in
+        ``b`` the pending row flags of step 2b and probes of step 2c)."""
         beta1, beta2 = group["betas"]
         if self.variance == "local":
             flags = self._row_flags(b, group)  # before normalising: which rows have a gradient

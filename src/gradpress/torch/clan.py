@@ -237,7 +237,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         # a drifted tensor travels exact for a while, then compressed under fresh keys (new
         # residuals) named by its generation
         i = int(key)
-        gen, recovering = core[0].generation(i), core[0].recovering(i)
+        gen, recovering = opt.generation(i), opt.recovering(i)
         if gen > drifts.get(i, 0):  # the watch saw a drift at the last step: count it once
             _rt().worker.account(drift_recoveries=gen - drifts.get(i, 0))
             drifts[i] = gen
@@ -255,14 +255,12 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         return not travels_exact(p.numel(), spec=spec, exact=str(i) in exact,
                                  min_compress_bytes=min_compress_bytes)
 
-    core: list[Any] = []                        # the core optimizer, once built
     drifts: dict[int, int] = {}                 # flat index -> drifts counted in gp.stats()
     warm = dense_codec(spec)
     opt = _OneBitLANSCore(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                           dense_steps=dense_steps, communicate=communicate, blend=blend,
                           hold_idle_rows=compressed, watch=HealthWatch())
     opt.param_names = {i: n for i, (n, _) in enumerate(named)}
-    core.append(opt)
     groups.extend(opt.param_groups)
     exact.update(str(i) for i, (n, _) in enumerate(named) if dense and n in dense)
     set_momentum_traffic(opt, MomentumTraffic(prefix=f"{prefix}.clan_m.", compression=spec,
