@@ -65,12 +65,13 @@ class IdleRows:
 
     def _hold_idle_rows(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
                         rows: dict[int, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Step 2b, on receipt: in the averaged ``a`` of a tensor with idle rows, a row that has no gradient
-        on any worker takes its last shared value decayed as LANS's moments decay without a
-        gradient (``b1/sqrt(b2)``), not the codec's: a one-bit code gives every element the same
-        magnitude, so unused rows would walk. Rows never used keep ``a = 0``. Returns (``a``,
-        the direction of the step): in the step, the rows in use are scaled up to the mean norm
-        of what the workers sent, since a one-bit scale averaged over idle rows shrinks them."""
+        """Step 2b, on receipt: in the averaged ``a`` of a tensor with idle rows, a row with no
+        gradient on any worker takes its last shared value decayed as LANS's moments decay
+        without a gradient (``b1/sqrt(b2)``), not the codec's: a one-bit code gives every
+        element the same magnitude, so unused rows would walk. Rows never used keep ``a = 0``.
+        Returns (``a``, the direction of the step): in the step, the rows in use are scaled up
+        to the mean norm of what the workers sent, since a one-bit scale averaged over idle
+        rows shrinks them."""
         if not rows:
             return got, got
         beta1, beta2 = group["betas"]
