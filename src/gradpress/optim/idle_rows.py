@@ -18,7 +18,16 @@ import torch
 
 from ._common import Bucket
 
-__all__ = ["IdleRows"]
+__all__ = ["IdleRows", "has_idle_rows"]
+
+
+def has_idle_rows(st: dict[str, Any]) -> bool:
+    """Whether step 1b marked the tensor of optimizer state ``st`` (read once, then kept as a
+    bool: one host read a tensor on a device)."""
+    mark = st.get("idle_rows", False)
+    if isinstance(mark, torch.Tensor):
+        mark = st["idle_rows"] = bool(mark)
+    return bool(mark)
 
 
 class IdleRows:
@@ -33,11 +42,17 @@ class IdleRows:
 
     def _note_idle_rows(self, b: Bucket) -> None:
         """Step 1b: mark a tensor of two or more dimensions whose averaged dense-phase gradient
-        has a row of zeros (an embedding's unused rows); the same on every worker."""
+        has a row of zeros (an embedding's unused rows); the same on every worker. The mark
+        stays a tensor on the gradient's device (no host read a step) until :func:`has_idle_rows`
+        first reads it."""
         for p, g in zip(b.params, b.grads):
             st = self.state[p]
-            if g.dim() >= 2 and not st.get("idle_rows", False):
-                st["idle_rows"] = not bool(g.reshape(g.shape[0], -1).any(dim=1).all())
+            if g.dim() >= 2 and st.get("idle_rows") is not True:
+                zero_row = g.reshape(g.shape[0], -1).any(dim=1).logical_not().any()
+                mark = st.get("idle_rows")
+                # (a checkpoint may hand the mark back as a float tensor: logical_or takes it)
+                st["idle_rows"] = zero_row if mark is None or mark is False \
+                    else torch.logical_or(mark, zero_row)
 
     def _row_flags(self, b: Bucket, group: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Step 2b: for each tensor whose idle rows are held (by position in ``b``), which of
@@ -46,7 +61,7 @@ class IdleRows:
         out = {}
         for j, (p, g) in enumerate(zip(b.params, b.grads)):
             st = self.state[p]
-            if st.get("idle_rows", False) and self._holds(b.indices[j]):
+            if self._holds(b.indices[j]) and has_idle_rows(st):
                 if "shared_momentum" not in st:   # m and v are still the dense phase's
                     st["shared_momentum"] = b.exp_avgs[j] / self._last_denominator(p, group)
                 out[j] = g.reshape(g.shape[0], -1).any(dim=1).to(g.dtype)

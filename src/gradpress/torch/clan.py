@@ -20,6 +20,7 @@ from ..optim import OneBitLANS as _OneBitLANSCore
 from ..optim import clan as clan_optimizer
 from ..optim import weight_decay_groups
 from ..optim.health import HealthWatch
+from ..optim.idle_rows import has_idle_rows
 from .agreement import auto_min_compress_bytes
 from .fusion import momentum_fuser
 from .optimizer import ALWAYS_EXACT, DistributedOptimizer, match_names
@@ -276,7 +277,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
         uncompressed_params="auto" if dense is None else sorted(dense)))
     meter = getattr(wrapper[0], "_gp_meter", None)
     if meter is not None:  # the core holds the idle rows of these: compress them (agreement)
-        meter.held = lambda: [n for n, p in named if opt.state[p].get("idle_rows", False)]
+        meter.held = lambda: [n for n, p in named if has_idle_rows(opt.state[p])]
     return wrapper[0]
 
 

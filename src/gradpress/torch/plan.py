@@ -361,15 +361,17 @@ def _held_rows(opt: Any, traffic: MomentumTraffic, partition_bytes: int
                ) -> tuple[TensorPlan, ...]:
     """A row per tensor whose idle rows :class:`~gradpress.optim.OneBitLANS` holds (step 2b):
     the exact flags of which rows have a gradient, one fp32 value a row (no model bytes)."""
+    from ..optim.idle_rows import has_idle_rows
+
     hold = getattr(opt, "hold_idle_rows", False)
     if not getattr(opt, "compression_active", False):
         return ()  # decided when the dense phase ends (asking earlier would decide early)
     flat = [p for g in opt.param_groups for p in g["params"]]
     out = []
     for i, p in enumerate(flat):
-        if not opt.state.get(p, {}).get("idle_rows", False) or p.dim() < 2:
+        if p.dim() < 2 or not (hold(i) if callable(hold) else hold):
             continue
-        if not (hold(i) if callable(hold) else hold):
+        if not has_idle_rows(opt.state.get(p, {})):
             continue
         why = Decision(codec=None, reason="which rows have a gradient on each worker: rows "
                                           "without one on any worker are held, not walked")
