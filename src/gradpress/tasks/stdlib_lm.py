@@ -180,6 +180,15 @@ class CausalTransformer(nn.Module):
         return self.out(h)
 
 
+def check_sizes(seq_len: int, num_val_sequences: int, eval_batch_size: int) -> None:
+    """ValueError unless ``seq_len >= 2`` and the validation sizes are >= 1."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if num_val_sequences < 1 or eval_batch_size < 1:
+        raise ValueError(f"num_val_sequences and eval_batch_size must be >= 1, got "
+                         f"{num_val_sequences} and {eval_batch_size}")
+
+
 class StdlibLMTask(Task):
     """``stdlib-lm``: next-byte prediction on Python's documentation with
     :class:`CausalTransformer`.
@@ -204,21 +213,23 @@ class StdlibLMTask(Task):
     def __init__(self, seq_len: int = 64, d_model: int = 128, n_layers: int = 4,
                  n_heads: int = 4, d_ff: int = 256, dropout: float = 0.0,
                  num_val_sequences: int = 256, eval_batch_size: int = 128) -> None:
-        if seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        if num_val_sequences < 1 or eval_batch_size < 1:
-            raise ValueError(f"num_val_sequences and eval_batch_size must be >= 1, got "
-                             f"{num_val_sequences} and {eval_batch_size}")
+        check_sizes(seq_len, num_val_sequences, eval_batch_size)
         self.model_kwargs = dict(seq_len=seq_len, d_model=d_model, n_layers=n_layers,
                                  n_heads=n_heads, d_ff=d_ff, dropout=dropout)
-        self.eval_batch_size = eval_batch_size
         corpus = load_topics_corpus()
-        self.train_sequences = to_causal_sequences(corpus.train, seq_len)
-        val = to_causal_sequences(corpus.validation, seq_len)
-        keep = torch.linspace(0, len(val) - 1, min(num_val_sequences, len(val))).round().long()
-        self.val_sequences = val[keep]
+        self._set_sequences(to_causal_sequences(corpus.train, seq_len),
+                            to_causal_sequences(corpus.validation, seq_len),
+                            num_val_sequences, eval_batch_size)
         self.uniform_loss = math.log(VOCAB_SIZE)
         self.unigram_loss = self._unigram_loss()
+
+    def _set_sequences(self, train: torch.Tensor, val: torch.Tensor, num_val_sequences: int,
+                       eval_batch_size: int) -> None:
+        """Both parts' sequences; validation keeps a fixed subset, evenly spaced (step 5)."""
+        self.eval_batch_size = eval_batch_size
+        self.train_sequences = train
+        keep = torch.linspace(0, len(val) - 1, min(num_val_sequences, len(val))).round().long()
+        self.val_sequences = val[keep]
 
     def _unigram_loss(self) -> float:
         """Validation loss of the best context-free model (training byte frequencies)."""
@@ -247,12 +258,12 @@ class StdlibLMTask(Task):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """Mean next-byte cross-entropy over every position of the batch."""
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError(f"stdlib-lm batch must be a pair (inputs, targets), got "
+            raise ValueError(f"{self.name} batch must be a pair (inputs, targets), got "
                              f"{type(batch).__name__}")
         device = model_device(model)
         inputs, targets = batch[0].to(device), batch[1].to(device)
         if inputs.shape != targets.shape:
-            raise ValueError(f"stdlib-lm inputs and targets must have the same shape, got "
+            raise ValueError(f"{self.name} inputs and targets must have the same shape, got "
                              f"{tuple(inputs.shape)} and {tuple(targets.shape)}")
         logits = model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

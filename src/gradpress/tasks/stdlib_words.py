@@ -39,17 +39,13 @@ import re
 import sysconfig
 import zlib
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from ._lm import evaluate_tokens
-from .base import Batch, EvalResult, Task, TaskDefaults, model_device, shard_batches
-from .stdlib_lm import CausalTransformer
+from .base import TaskDefaults
+from .stdlib_lm import StdlibLMTask, check_sizes
 
 __all__ = ["StdlibWordsTask", "WordsCorpus", "load_words_corpus", "TOKEN_RE", "BOS", "UNK"]
 
@@ -118,8 +114,9 @@ def _sequences(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     return out
 
 
-class StdlibWordsTask(Task):
-    """``stdlib-words``: next-word prediction on the stdlib's docstrings, post-LN transformer.
+class StdlibWordsTask(StdlibLMTask):
+    """``stdlib-words``: next-word prediction on the stdlib's docstrings, post-LN transformer
+    (batches, loss, model building and evaluation are :class:`StdlibLMTask`'s).
 
     Args:
         seq_len, d_model, n_layers, n_heads, d_ff, dropout: model and sequence shape.
@@ -140,58 +137,14 @@ class StdlibWordsTask(Task):
     def __init__(self, seq_len: int = 32, d_model: int = 128, n_layers: int = 4,
                  n_heads: int = 4, d_ff: int = 512, dropout: float = 0.1,
                  num_val_sequences: int = 256, eval_batch_size: int = 64) -> None:
-        if seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        if num_val_sequences < 1 or eval_batch_size < 1:
-            raise ValueError(f"num_val_sequences and eval_batch_size must be >= 1, got "
-                             f"{num_val_sequences} and {eval_batch_size}")
+        check_sizes(seq_len, num_val_sequences, eval_batch_size)
         corpus = load_words_corpus()
         self.vocab = corpus.vocab
         self.unseen_in_training = corpus.unseen_in_training
         self.model_kwargs = dict(vocab_size=len(corpus.vocab), seq_len=seq_len, d_model=d_model,
                                  n_layers=n_layers, n_heads=n_heads, d_ff=d_ff, dropout=dropout,
                                  norm_first=False, activation="relu")
-        self.eval_batch_size = eval_batch_size
-        self.train_sequences = _sequences(corpus.train, seq_len)
-        val = _sequences(corpus.validation, seq_len)
-        keep = torch.linspace(0, len(val) - 1, min(num_val_sequences, len(val))).round().long()
-        self.val_sequences = val[keep]
+        self._set_sequences(_sequences(corpus.train, seq_len),
+                            _sequences(corpus.validation, seq_len),
+                            num_val_sequences, eval_batch_size)
         self.uniform_loss = math.log(len(corpus.vocab))
-
-    @property
-    def num_train_examples(self) -> int:
-        return int(self.train_sequences.shape[0])
-
-    def build_model(self, seed: int) -> nn.Module:
-        """A post-LN :class:`CausalTransformer`, initialised under an RNG seeded by ``seed``."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return CausalTransformer(**self.model_kwargs)
-
-    def train_batches(self, rank: int, world_size: int, batch_size: int, seed: int,
-                      epoch: int) -> Iterator[Batch]:
-        """Batches ``(inputs, targets)``, int64 (B, seq_len): a sequence and its shift by one."""
-        for idx in shard_batches(self.num_train_examples, rank, world_size, batch_size,
-                                 seed, epoch):
-            seqs = self.train_sequences[idx]
-            yield seqs[:, :-1], seqs[:, 1:]
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """Mean next-token cross-entropy over every position of the batch."""
-        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise ValueError(f"stdlib-words batch must be a pair (inputs, targets), got "
-                             f"{type(batch).__name__}")
-        device = model_device(model)
-        logits = model(batch[0].to(device))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                               batch[1].to(device).reshape(-1))
-
-    def evaluate(self, model: nn.Module) -> EvalResult:
-        """Validation loss (primary), next-token accuracy and perplexity on the fixed set."""
-        def next_tokens(start: int, stop: int, device: torch.device
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-            seqs = self.val_sequences[start:stop].to(device)
-            logits = model(seqs[:, :-1])
-            return logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1)
-
-        return evaluate_tokens(model, len(self.val_sequences), self.eval_batch_size, next_tokens)
