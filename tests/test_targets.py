@@ -1,5 +1,5 @@
-"""benchmarks/targets.py: the targets of issue 26, their commands, gaps and the results table,
-on synthetic reports (no training runs)."""
+"""benchmarks/targets.py: the targets of issues 26 and 38, their commands, gaps and the results
+table, on synthetic reports (no training runs)."""
 
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def test_write_adds_then_replaces_the_table(tg: ModuleType, tmp_path: Path,
     assert {k: v for k, v in data.items() if k != "tables"} == {
         k: v for k, v in before.items() if k != "tables"}
     assert table["source"] == {"path": "benchmarks/targets.py",
-                               "section": "the targets of issue 26"}
+                               "section": "the targets of issues 26, 38"}
     assert table["columns"] == tg.COLUMNS and len(table["rows"]) == len(tg.TARGETS)
     status = {r[0]: r[-1] for r in table["rows"]}
     assert status.pop("onebit-mlm-800") == "met"
@@ -235,7 +235,7 @@ def test_write_adds_then_replaces_the_table(tg: ModuleType, tmp_path: Path,
     assert table["commands"][0] == f"python benchmarks/targets.py --out {out} --write"
     assert "onebit-mlm-800 9.00x (meets 8x)" in table["notes"] and table["date"]
     text = page.read_text()
-    assert "### The accuracy targets of issue 26" in text and "| onebit-digits |" in text
+    assert "### The accuracy targets of issues 26 and 38" in text and "| onebit-digits |" in text
     assert "| 6/6 | s0 +1.00%, s1 -2.00%, s2 +3.00% |" in capsys.readouterr().out
     # again, one target and seed: the table is replaced in place, the others untouched
     assert tg.main(["--collect-only", "--targets", "onebit-digits", "--seeds", "0", "--out",
