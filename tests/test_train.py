@@ -234,6 +234,10 @@ def test_partial_metrics_give_a_report_and_plots(tmp_path: Path) -> None:
     assert rep["bytes_per_step"]["push"] == 100 and rep["model_ratio_vs_fp32"] == 32.0
     assert rep["model_ratio_vs_fp16"] == 16.0
     assert rep["stages_s"]["compute_s"] == pytest.approx(0.25)
+    assert rep["drift_recoveries"] == 0
+    steps = [r for r in recs if r["kind"] == "step"]
+    steps[1]["drift_recoveries"], steps[3]["drift_recoveries"] = 2, 1  # the health watch's
+    assert run_report(recs)["drift_recoveries"] == 3
     assert "test_accuracy 0.9000" in format_run(rep)
     files = plot_runs(tmp_path, {"a": recs, "b": _records(3, interrupted=False)})
     assert [f.name for f in files] == [*PLOTS, "eval_vs_step.png"]

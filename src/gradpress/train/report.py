@@ -6,7 +6,9 @@ goes (so an interrupted run keeps every finished step):
 * ``{"kind": "start", "config", "hparams", "workers", "setup_s"}`` when the clock starts;
 * ``{"kind": "step", "step", "epoch", "loss", "lr", "time_s", "step_s", "bytes_pushed",
   "bytes_pulled", "dense_fp32_bytes", "stages": {...}}``: byte counts are this worker's
-  per-step deltas of ``gp.stats()`` (each worker sends and receives the same amount);
+  per-step deltas of ``gp.stats()`` (each worker sends and receives the same amount), and
+  ``"drift_recoveries"`` on a step where the health watch saw compressed momenta drift (the
+  report's ``"drift_recoveries"`` adds them up);
 * ``{"kind": "eval", "step", "time_s", "metrics": {...}, "primary", "higher_is_better"}``;
 * ``{"kind": "plan", "step", ...}`` at the first compressed step (or at the end of a run that
   never left its dense phase): the optimizer's :class:`~gradpress.torch.plan.Plan`
@@ -127,6 +129,8 @@ def run_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         tail = [s["loss"] for s in steps[-10:]]
         rep["final_train_loss"] = sum(tail) / len(tail)
     rep.update(_bytes_section(steps))
+    # compressed momenta that drifted from their exact average and recovered (the health watch)
+    rep["drift_recoveries"] = sum(s.get("drift_recoveries", 0) for s in steps)
     codec = (summary or {}).get("codec")
     if codec:
         rep["codec"] = codec

@@ -389,6 +389,9 @@ class Session:
                    "time_s": self._elapsed(now), "step_s": now - self._last_t,
                    **{k: int(stats[k] - self._last_stats[k]) for k in _BYTES},
                    "stages": stages}
+            drifts = stats.get("drift_recoveries", 0) - self._last_stats.get("drift_recoveries", 0)
+            if drifts:  # the health watch saw compressed momenta drift (gradpress.optim.health)
+                rec["drift_recoveries"] = int(drifts)
             self._record(rec)
         self._last_stats, self._last_t = stats, now
         self._step_stage = dict.fromkeys(STAGES, 0.0)
