@@ -130,6 +130,8 @@ def run_factory(args: argparse.Namespace) -> None:
         probes = {name: opt.state[p]["probe_log"] for name, p in model.named_parameters()
                   if "probe_log" in opt.state.get(p, {})}
         torch.save({"model": model.state_dict(), "probe_log": probes}, args.save_model)
+        # the probes alone, small enough to keep with the run's record
+        args.save_model.with_name("probes.json").write_text(json.dumps(probes) + "\n")
 
 
 def run_train(args: argparse.Namespace) -> None:

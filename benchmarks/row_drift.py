@@ -35,6 +35,17 @@ def final_model(run: Path) -> tuple[Path, int]:
     return steps[-1] / "worker0.pt", int(steps[-1].name[5:])
 
 
+def measured(run: Path, unseen: torch.Tensor) -> dict[str, Any]:
+    """:func:`measure`, kept in ``run/row_drift.json`` the first time, so that the record
+    outlives the model files (too big to keep)."""
+    kept = run / "row_drift.json"
+    if kept.is_file():
+        return json.loads(kept.read_text())
+    row = measure(run, unseen)
+    kept.write_text(json.dumps(row, indent=1) + "\n")
+    return row
+
+
 def measure(run: Path, unseen: torch.Tensor) -> dict[str, Any]:
     """Row norms of ``tok.weight`` of the run's final model and its final val_loss."""
     path, step = final_model(run)
@@ -58,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
     task = get_task(args.task)
-    rows = [measure(r, task.unseen_in_training) for r in args.runs]
+    rows = [measured(r, task.unseen_in_training) for r in args.runs]
     base = rows[0]
     print(f"{'run':40s} {'step':>5s} {'unseen norm':>12s} {'vs base':>8s} {'seen norm':>10s} "
           f"{'vs base':>8s} {'val_loss':>9s} {'vs base':>8s} {'vs fp32':>8s}")

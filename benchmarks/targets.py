@@ -253,7 +253,7 @@ def unseen_rows(base: Run, method: Run) -> float | None:
     if not hasattr(task, "unseen_in_training"):
         return None
     try:
-        b, m = (row_drift.measure(r.out, task.unseen_in_training) for r in (base, method))
+        b, m = (row_drift.measured(r.out, task.unseen_in_training) for r in (base, method))
     except FileNotFoundError:
         return None
     return m["unseen_row_norm"] / b["unseen_row_norm"]
