@@ -48,11 +48,11 @@ class IdleRows:
         for p, g in zip(b.params, b.grads):
             st = self.state[p]
             if g.dim() >= 2 and st.get("idle_rows") is not True:
-                zero_row = g.reshape(g.shape[0], -1).any(dim=1).logical_not().any()
+                # 1.0 or 0.0 in the gradient's dtype: a checkpoint hands it back unchanged
+                zero_row = g.reshape(g.shape[0], -1).any(dim=1).logical_not().any().to(g.dtype)
                 mark = st.get("idle_rows")
-                # (a checkpoint may hand the mark back as a float tensor: logical_or takes it)
                 st["idle_rows"] = zero_row if mark is None or mark is False \
-                    else torch.logical_or(mark, zero_row)
+                    else torch.maximum(mark, zero_row.to(mark.dtype))
 
     def _row_flags(self, b: Bucket, group: dict[str, Any]) -> dict[int, torch.Tensor]:
         """Step 2b: for each tensor whose idle rows are held (by position in ``b``), which of
