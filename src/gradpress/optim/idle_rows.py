@@ -30,6 +30,15 @@ def has_idle_rows(st: dict[str, Any]) -> bool:
     return bool(mark)
 
 
+def _scale_up(a: torch.Tensor, used: torch.Tensor, sent_norm: torch.Tensor) -> torch.Tensor:
+    """The factor (>= 1, a 0-d tensor: no host read) that brings the norm of ``a`` to
+    ``sent_norm`` by scaling its rows in use alone."""
+    held_sq = a.masked_fill(used, 0).square().sum()
+    used_sq = a.masked_fill(~used, 0).square().sum()
+    scale_sq = (sent_norm.square() - held_sq) / used_sq.clamp_min(torch.finfo(a.dtype).tiny)
+    return torch.where((used_sq > 0) & (scale_sq > 1), scale_sq, 1.0).sqrt()
+
+
 class IdleRows:
     """Mixin of :class:`~gradpress.optim.OneBitLANS`: needs ``state``, ``_communicate`` and
     ``_holds(index)`` (whether ``hold_idle_rows`` applies to a flat parameter index)."""
@@ -98,11 +107,7 @@ class IdleRows:
             st = self.state[p]
             got[j] = torch.where(used, a, st["shared_momentum"] * (beta1 / beta2 ** 0.5))
             st["shared_momentum"] = got[j].clone()
-            held_sq = float(got[j].masked_fill(used, 0).square().sum())
-            used_sq = float(got[j].masked_fill(~used, 0).square().sum())
-            scale_sq = (float(msg[-1]) ** 2 - held_sq) / used_sq if used_sq > 0 else 1.0
-            step[j] = torch.where(used, got[j] * scale_sq ** 0.5, got[j]) if scale_sq > 1 \
-                else got[j]
+            step[j] = torch.where(used, got[j] * _scale_up(got[j], used, msg[-1]), got[j])
         return got, step
 
     def _last_denominator(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
