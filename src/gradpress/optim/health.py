@@ -134,7 +134,9 @@ class Watched:
             return {}
         out = {}
         for j, (i, t) in enumerate(zip(b.indices, b.steps)):
-            if w.probes(t, group["dense_steps"]) and self._holds(i) and not self.recovering(i):
+            st = self.state[b.params[j]]
+            if w.probes(t, group["dense_steps"]) and self._holds(i) \
+                    and not HealthWatch.recovering(st, t):
                 c = self._communicate
                 out[j] = sent[j] if c is None else c(f"{i}.probe", sent[j])
         return out

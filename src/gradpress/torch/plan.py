@@ -328,8 +328,8 @@ def optimizer_plan(opt: Any) -> Plan:
     rows = fuse_rows(rows, tensor_fusion([(k, p) for k, p, _ in pushed], min_compress_bytes=limit,
                                          spec=spec, cfg=cfg), cfg.partition_bytes)
     if traffic is not None:
-        rows = _health_notes(opt, traffic, rows) + _held_rows(opt, traffic,
-                                                              cfg.partition_bytes)
+        rows = _health_notes(opt, traffic, flat, rows) + _held_rows(opt, traffic, flat,
+                                                                    cfg.partition_bytes)
     if opt._gp_nan == "skip":  # one flag a step: the workers agree to skip non-finite steps
         flag = Decision(codec=None, reason="nan_policy='skip': agrees to skip non-finite steps")
         rows += (tensor_plan(NONFINITE_KEY, NONFINITE_KEY, 1, flag, cfg.partition_bytes),)
@@ -339,11 +339,11 @@ def optimizer_plan(opt: Any) -> Plan:
                 dense_exact=frozenset(n for n, _, _, named in entries if named))
 
 
-def _health_notes(opt: Any, traffic: MomentumTraffic, rows: Sequence[TensorPlan]
-                  ) -> tuple[TensorPlan, ...]:
+def _health_notes(opt: Any, traffic: MomentumTraffic, flat: Sequence[Any],
+                  rows: Sequence[TensorPlan]) -> tuple[TensorPlan, ...]:
     """``rows`` with what the health watch measured (:mod:`gradpress.optim.health`): the last
-    probe's cosine with the exact average and the drifts recovered from."""
-    flat = [p for g in opt.param_groups for p in g["params"]]
+    probe's cosine with the exact average and the drifts recovered from (``flat``: the
+    parameters in the optimizer's flat order)."""
     by_key = {f"{traffic.prefix}{i}": opt.state.get(p, {}) for i, p in enumerate(flat)}
     out = []
     for t in rows:
@@ -357,7 +357,7 @@ def _health_notes(opt: Any, traffic: MomentumTraffic, rows: Sequence[TensorPlan]
     return tuple(out)
 
 
-def _held_rows(opt: Any, traffic: MomentumTraffic, partition_bytes: int
+def _held_rows(opt: Any, traffic: MomentumTraffic, flat: Sequence[Any], partition_bytes: int
                ) -> tuple[TensorPlan, ...]:
     """A row per tensor whose idle rows :class:`~gradpress.optim.OneBitLANS` holds (step 2b):
     the exact flags of which rows have a gradient, one fp32 value a row (no model bytes)."""
@@ -366,7 +366,6 @@ def _held_rows(opt: Any, traffic: MomentumTraffic, partition_bytes: int
     hold = getattr(opt, "hold_idle_rows", False)
     if not getattr(opt, "compression_active", False):
         return ()  # decided when the dense phase ends (asking earlier would decide early)
-    flat = [p for g in opt.param_groups for p in g["params"]]
     out = []
     for i, p in enumerate(flat):
         if p.dim() < 2 or not (hold(i) if callable(hold) else hold):
