@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def optimizer_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The optimizer-class keywords of the experiment switches that were given."""
+    """The optimizer-class keywords of the experiment switches that were given (the classes
+    of ``benchmarks/study_optim.py`` take them)."""
     opts: dict[str, Any] = {
         "variance": args.variance, "blend": args.blend, "sends": args.sends,
         "refresh_every": args.refresh_every,
@@ -135,10 +136,16 @@ def run_factory(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> None:
-    """Use 2: ``gradpress train --task`` with the optimizer's experiment switches."""
+    """Use 2: ``gradpress train --task`` with the optimizer's experiment switches, which the
+    study's classes take (``benchmarks/study_optim.py``)."""
+    from study_optim import make_core
+
     path = Path(os.environ[CONFIG_ENV])
     cfg = TrainConfig.from_dict(json.loads(path.read_text())["runs"][0])
-    run_task(cfg.replace(task=args.task, script=()), optimizer_options=optimizer_options(args))
+    opts = optimizer_options(args)
+    core = make_core(cfg.optimizer, opts)
+    run_task(cfg.replace(task=args.task, script=()),
+             optimizer_options={**opts, **({"core": core} if core else {})})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,9 +65,9 @@ def iface_bytes(device: str) -> int:
 def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """CLAN (LANS without gradient normalisation; the gradpress recipe) or plain SGD."""
     if name == "clan":
-        from gradpress.optim import clan
+        from gradpress.optim import clan_core
 
-        return clan(params, lr=1e-3)
+        return clan_core(params, lr=1e-3)
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
     raise ValueError(f"optimizer must be 'clan' or 'sgd', got {name!r}")

@@ -12,7 +12,7 @@ and gradients with its own optimizer state:
 * ``LANS fused`` / ``LANS foreach``: :class:`gradpress.optim.LANS` (``normalize_grad=True``)
   with ``fused=True`` / ``fused=False``;
 * ``CLAN fused`` / ``CLAN foreach``: the same with ``normalize_grad=False`` (what
-  :func:`gradpress.optim.clan` builds);
+  :func:`gradpress.optim.clan_core` builds);
 * ``Adam foreach``: ``torch.optim.Adam(foreach=True)``;
 * ``copy``: ``np.copyto`` of the parameter bytes into a preallocated buffer, the yardstick.
 

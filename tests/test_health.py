@@ -1,4 +1,4 @@
-"""The health watch of OneBitLANS (gradpress.optim.health): a compressed momentum that drifts
+"""The health watch of OneBitLANSCore (gradpress.optim.health): a compressed momentum that drifts
 from its exact average is seen at the next probe, travels exact for a while and comes back with
 fresh residuals; a healthy run is left alone.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradpress.compress import build
-from gradpress.optim import OneBitLANS
+from gradpress.optim import OneBitLANSCore
 from gradpress.optim.health import HealthWatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -57,10 +57,10 @@ class Link:
         return -a if bad else a
 
 
-def _run(link: Link, watch: HealthWatch | None) -> tuple[torch.nn.Module, OneBitLANS]:
+def _run(link: Link, watch: HealthWatch | None) -> tuple[torch.nn.Module, OneBitLANSCore]:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
-    opt = OneBitLANS(model.parameters(), lr=0.01, dense_steps=DENSE, communicate=link,
+    opt = OneBitLANSCore(model.parameters(), lr=0.01, dense_steps=DENSE, communicate=link,
                      hold_idle_rows=True, watch=watch)
     opt.param_names = {0: "fc.weight", 1: "fc.bias"}
     link.opt = opt
@@ -99,7 +99,7 @@ def test_a_provoked_drift_is_seen_recovered_from_and_counted(caplog):
 
 def test_watch_state_survives_a_checkpoint_and_settings_are_checked():
     model, opt = _run(Link(spike=SPIKE), HealthWatch(every=5, recover_steps=3))
-    fresh = OneBitLANS(torch.nn.Linear(16, 4).parameters(), dense_steps=DENSE,
+    fresh = OneBitLANSCore(torch.nn.Linear(16, 4).parameters(), dense_steps=DENSE,
                        hold_idle_rows=True, watch=HealthWatch(every=5))
     fresh.load_state_dict(opt.state_dict())
     assert fresh.generation(0) == opt.generation(0) >= 1
@@ -107,5 +107,5 @@ def test_watch_state_survives_a_checkpoint_and_settings_are_checked():
         with pytest.raises(ValueError, match="HealthWatch"):
             HealthWatch(**bad)
     with pytest.raises(TypeError, match="watch must be"):
-        OneBitLANS(model.parameters(), watch="yes")
-    assert not OneBitLANS(model.parameters()).recovering(0)   # no watch: never recovering
+        OneBitLANSCore(model.parameters(), watch="yes")
+    assert not OneBitLANSCore(model.parameters()).recovering(0)   # no watch: never recovering

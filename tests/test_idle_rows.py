@@ -1,4 +1,4 @@
-"""OneBitLANS's idle rows (issue 38): rows of an embedding that get no gradient on any worker do
+"""OneBitLANSCore's idle rows (issue 38): rows of an embedding that get no gradient on any worker do
 not walk under a one-bit code; they move as uncompressed LANS moves them.
 
 Two workers run in threads against an in-process two-way "server" built from the real codecs
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gradpress.compress import build
-from gradpress.optim import LANS, OneBitLANS
+from gradpress.optim import LANS, OneBitLANSCore
 from gradpress.optim.idle_rows import has_idle_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -94,11 +94,11 @@ def _lans_run() -> torch.nn.Module:
     return model
 
 
-def _onebit_run() -> tuple[list[torch.nn.Module], list[OneBitLANS]]:
-    """OneBitLANS on WORKERS threads: dense steps averaged exactly, then the two-way codec."""
+def _onebit_run() -> tuple[list[torch.nn.Module], list[OneBitLANSCore]]:
+    """OneBitLANSCore on WORKERS threads: dense steps averaged exactly, then the two-way codec."""
     net = TwoWay()
     models = [_model(0) for _ in range(WORKERS)]
-    opts = [OneBitLANS(m.parameters(), lr=0.01, weight_decay=0.01, dense_steps=DENSE,
+    opts = [OneBitLANSCore(m.parameters(), lr=0.01, weight_decay=0.01, dense_steps=DENSE,
                        communicate=net, hold_idle_rows=True) for m in models]
     barrier = threading.Barrier(WORKERS)
     dense_grads: list[list[torch.Tensor]] = [[] for _ in range(WORKERS)]
@@ -152,7 +152,7 @@ def test_rows_key_is_sent_only_for_tensors_with_idle_rows():
         return t
 
     model = _model(0)
-    opt = OneBitLANS(model.parameters(), lr=0.01, dense_steps=1, communicate=record,
+    opt = OneBitLANSCore(model.parameters(), lr=0.01, dense_steps=1, communicate=record,
                      hold_idle_rows=lambda i: i == 0)
     for step in range(3):
         _grad(model, 0, step)
@@ -160,7 +160,7 @@ def test_rows_key_is_sent_only_for_tensors_with_idle_rows():
     assert "0.rows" in keys and not any(k.endswith(".rows") and k != "0.rows" for k in keys)
     # state_dict round trip keeps the decision and the shared momentum of the idle rows
     sd = opt.state_dict()
-    fresh = OneBitLANS(_model(0).parameters(), lr=0.01, dense_steps=1, communicate=record,
+    fresh = OneBitLANSCore(_model(0).parameters(), lr=0.01, dense_steps=1, communicate=record,
                        hold_idle_rows=True)
     fresh.load_state_dict(sd)
     assert fresh.state_dict()["state"][0]["idle_rows"] is True
@@ -169,24 +169,22 @@ def test_rows_key_is_sent_only_for_tensors_with_idle_rows():
     keys.clear()
     # a checkpoint taken in the dense phase hands the mark back as a tensor; it goes on
     model = _model(0)
-    mid = OneBitLANS(model.parameters(), lr=0.01, dense_steps=3, communicate=record)
+    mid = OneBitLANSCore(model.parameters(), lr=0.01, dense_steps=3, communicate=record)
     _grad(model, 0, 0)
     mid.step()
-    again = OneBitLANS(model.parameters(), lr=0.01, dense_steps=3, communicate=record)
+    again = OneBitLANSCore(model.parameters(), lr=0.01, dense_steps=3, communicate=record)
     again.load_state_dict(mid.state_dict())
     _grad(model, 0, 1)
     again.step()
     assert has_idle_rows(again.state[model[0].weight])
-    with pytest.raises(ValueError, match="hold_idle_rows needs variance='local'"):
-        OneBitLANS(_model(0).parameters(), variance="frozen", hold_idle_rows=True)
     with pytest.raises(TypeError, match="hold_idle_rows must be a bool or a callable"):
-        OneBitLANS(_model(0).parameters(), hold_idle_rows="yes")
+        OneBitLANSCore(_model(0).parameters(), hold_idle_rows="yes")
 
 
 def test_no_hold_by_default_sends_no_rows():
     keys: list[str] = []
     model = _model(0)
-    opt = OneBitLANS(model.parameters(), lr=0.01, dense_steps=1,
+    opt = OneBitLANSCore(model.parameters(), lr=0.01, dense_steps=1,
                      communicate=lambda k, t: keys.append(k) or t)
     for step in range(3):
         _grad(model, 0, step)

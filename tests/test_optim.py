@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gradpress.optim import CLAN_REFERENCE_LR, LAMB, LANS, OneBitAdam, OneBitLANS, _common, clan
+from gradpress.optim import (
+    CLAN_REFERENCE_LR,
+    LAMB,
+    LANS,
+    OneBitAdam,
+    OneBitLANSCore,
+    _common,
+    clan_core,
+)
+
+# The convergence study's variants (benchmarks/study_optim.py): the switches it concluded
+# against, kept out of the shipped optimizers but still tested, so its log stays reproducible.
+_SPEC = importlib.util.spec_from_file_location(
+    "study_optim", Path(__file__).resolve().parents[1] / "benchmarks" / "study_optim.py")
+study_optim = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(study_optim)
+StudyLANS, StudyOneBitLANS = study_optim.StudyLANS, study_optim.StudyOneBitLANS
 
 SHAPES = [(5, 3), (7,), (4, 2, 2), (3,)]
 
@@ -113,8 +131,8 @@ def assert_close_list(got, want, rtol, atol):
 def test_lans_freeze_variance_after_matches_reference(dtype, tol, freeze_step):
     """v stops after that step (per tensor's own step count; some tensors skip steps)."""
     params, seq = make_params(dtype), make_grads()
-    opt = LANS(params, lr=0.02, betas=(0.8, 0.95), weight_decay=0.05, normalize_grad=False,
-               freeze_variance_after=freeze_step)
+    opt = StudyLANS(params, lr=0.02, betas=(0.8, 0.95), weight_decay=0.05,
+                    normalize_grad=False, freeze_variance_after=freeze_step)
     run(opt, params, seq)
     want = ref_layerwise(params=make_params(), seq=seq, lr=0.02, betas=(0.8, 0.95), eps=1e-6,
                          wds=[0.05] * len(SHAPES), kind="lans", freeze_step=freeze_step)
@@ -125,9 +143,9 @@ def test_lans_freeze_variance_after_matches_reference(dtype, tol, freeze_step):
     assert any(not torch.allclose(a, b) for a, b in zip(params, free))   # freezing mattered
 
 
-def test_lans_freeze_variance_after_keeps_v_and_survives_old_state_dicts():
+def test_lans_freeze_variance_after_keeps_v_and_its_state_loads_into_lans():
     p = torch.nn.Parameter(torch.ones(5))
-    opt = LANS([p], lr=0.01, freeze_variance_after=2)
+    opt = StudyLANS([p], lr=0.01, freeze_variance_after=2)
     for step in range(4):
         p.grad = torch.full((5,), float(step + 1))
         opt.step()
@@ -135,7 +153,6 @@ def test_lans_freeze_variance_after_keeps_v_and_survives_old_state_dicts():
             v2 = opt.state[p]["exp_avg_sq"].clone()
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"], v2, rtol=0, atol=0)
     saved = opt.state_dict()
-    del saved["param_groups"][0]["freeze_variance_after"]  # written before the option existed
     fresh = LANS([p], lr=0.01)
     fresh.load_state_dict(saved)
     p.grad = torch.ones(5)
@@ -146,12 +163,12 @@ def test_lans_freeze_variance_after_keeps_v_and_survives_old_state_dicts():
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_lans_rejects_bad_freeze_variance_after(bad):
     with pytest.raises(ValueError, match="freeze_variance_after must be None or an int >= 1"):
-        LANS([torch.nn.Parameter(torch.ones(2))], freeze_variance_after=bad)
+        StudyLANS([torch.nn.Parameter(torch.ones(2))], freeze_variance_after=bad)
 
 
-@pytest.mark.parametrize("factory", [LANS, clan, OneBitAdam, OneBitLANS])
+@pytest.mark.parametrize("factory", [LANS, clan_core, OneBitAdam, OneBitLANSCore])
 def test_old_freeze_step_name_is_rejected(factory):
-    # one name for the dense phase (dense_steps); LANS's own freeze is freeze_variance_after
+    # one name for the dense phase (dense_steps)
     with pytest.raises(TypeError, match="freeze_step"):
         factory(make_params(), freeze_step=2)
 
@@ -206,7 +223,7 @@ def test_weight_decay_exclusion_by_param_group(cls):
 
 def test_clan_is_lans_without_normalisation():
     params, seq = make_params(), make_grads()
-    opt = clan(params, lr=0.01, weight_decay=0.01)
+    opt = clan_core(params, lr=0.01, weight_decay=0.01)
     assert isinstance(opt, LANS) and opt.defaults["normalize_grad"] is False
     run(opt, params, seq)
     want = ref_layerwise(make_params(), seq, 0.01, (0.9, 0.999), 1e-6, [0.01] * 4, "lans")
@@ -352,12 +369,12 @@ def test_onebit_adam_communicate_checks():
         run(opt, params, make_grads(steps=1))
 
 
-# -- OneBitLANS ----------------------------------------------------------------------------------
+# -- OneBitLANSCore --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("normalize", [True, False])
 def test_onebit_lans_warmup_equals_lans(normalize):
     a, b = make_params(torch.float32), make_params(torch.float32)
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, normalize_grad=normalize, dense_steps=4)
+    ours = OneBitLANSCore(a, lr=0.01, weight_decay=0.01, normalize_grad=normalize, dense_steps=4)
     ref = LANS(b, lr=0.01, weight_decay=0.01, normalize_grad=normalize)
     seq = make_grads(steps=4)
     run(ours, a, seq)
@@ -374,7 +391,7 @@ def test_onebit_lans_compression_stage(normalize, blend, precondition):
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, dense_steps=2,
+    opt = StudyOneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.01, dense_steps=2,
                      normalize_grad=normalize, communicate=communicate, blend=blend,
                      precondition=precondition, variance="frozen")
     seq = make_grads(steps=3)
@@ -408,31 +425,34 @@ def test_onebit_lans_compression_stage(normalize, blend, precondition):
 
 def test_onebit_lans_defaults_are_gp_onebit_lans_algorithm():
     # each worker's own v, LAMB's step after the dense phase: what gp.OneBitLANS builds
-    opt = OneBitLANS(make_params())
-    assert (opt.variance, opt.blend, opt.precondition, opt.sends, opt.ef21,
-            opt.refresh_every) == ("local", False, True, "momentum", False, None)
+    opt = OneBitLANSCore(make_params())
+    assert (opt.blend, opt.hold_idle_rows, opt.watch) == (False, False, None)
     assert opt.param_groups[0]["dense_steps"] == 100
-
+    for switch in ("variance", "precondition", "sends", "ef21", "refresh_every"):
+        with pytest.raises(TypeError, match=switch):   # the study's, in benchmarks/ only
+            OneBitLANSCore(make_params(), **{switch: None})
+    with pytest.raises(TypeError, match="freeze_variance_after"):
+        LANS(make_params(), freeze_variance_after=2)
 
 def test_onebit_lans_checks():
     with pytest.raises(ValueError, match="dense_steps"):
-        OneBitLANS(make_params(), dense_steps=0)
+        OneBitLANSCore(make_params(), dense_steps=0)
     with pytest.raises(ValueError, match="dense_steps"):
-        OneBitLANS(make_params(), dense_steps=None)
+        OneBitLANSCore(make_params(), dense_steps=None)
     with pytest.raises(TypeError, match="communicate"):
-        OneBitLANS(make_params(), communicate="no")
+        OneBitLANSCore(make_params(), communicate="no")
     with pytest.raises(TypeError, match="blend"):
-        OneBitLANS(make_params(), blend=1)
+        OneBitLANSCore(make_params(), blend=1)
     with pytest.raises(TypeError, match="ef21 must be a bool, got 'yes'"):
-        OneBitLANS(make_params(), ef21="yes")
+        StudyOneBitLANS(make_params(), ef21="yes")
     with pytest.raises(ValueError, match="sends must be one of momentum, gradient, got 'm'"):
-        OneBitLANS(make_params(), sends="m")
+        StudyOneBitLANS(make_params(), sends="m")
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match=f"refresh_every must be None or an int >= 1, got "
                                              f"{bad!r}"):
-            OneBitLANS(make_params(), refresh_every=bad)
+            StudyOneBitLANS(make_params(), refresh_every=bad)
     params = make_params()
-    opt = OneBitLANS(params, dense_steps=1, communicate=lambda key, m: m[:1])
+    opt = OneBitLANSCore(params, dense_steps=1, communicate=lambda key, m: m[:1])
     run(opt, params, make_grads(steps=1))
     with pytest.raises(TypeError, match="shape"):
         run(opt, params, make_grads(steps=1))
@@ -442,7 +462,7 @@ def test_onebit_lans_sends_gradient():
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), dense_steps=2, sends="gradient",
+    opt = StudyOneBitLANS(params, lr=0.01, betas=(0.9, 0.99), dense_steps=2, sends="gradient",
                      normalize_grad=False, communicate=communicate, variance="frozen",
                      blend=True)
     seq = make_grads(steps=3)
@@ -463,9 +483,9 @@ def test_onebit_lans_blend_lossless_equals_frozen_lans(sends, ef21):
     # With exact communication the recovered gradient is the gradient: the blend step equals
     # LANS with v frozen at the same step (EF21's estimate is then the average itself).
     a, b = make_params(), make_params()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, sends=sends, ef21=ef21,
+    ours = StudyOneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, sends=sends, ef21=ef21,
                       variance="frozen", blend=True)
-    ref = LANS(b, lr=0.01, weight_decay=0.01, freeze_variance_after=2, fused=False)
+    ref = StudyLANS(b, lr=0.01, weight_decay=0.01, freeze_variance_after=2, fused=False)
     seq = make_grads(steps=5)
     run(ours, a, seq)
     run(ref, b, seq)
@@ -477,7 +497,7 @@ def test_onebit_lans_refresh_every_step_is_lans(blend):
     # A refresh at every step after the warm-up updates v with weight 1-b2 each step: LANS.
     a, b = make_params(), make_params()
     calls, communicate = halving_recorder()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, refresh_every=1,
+    ours = StudyOneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, refresh_every=1,
                       communicate=communicate, blend=blend, variance="frozen")
     ref = LANS(b, lr=0.01, weight_decay=0.01, fused=False)
     seq = make_grads(steps=5)
@@ -524,7 +544,7 @@ def _local_variance_reference(params, seq, fs, blend, lr=0.01, wd=0.01, b1=0.9, 
 @pytest.mark.parametrize("blend", [True, False])
 def test_onebit_lans_local_variance_lossless_matches_reference(blend):
     a, b = make_params(), make_params()
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, variance="local",
+    ours = OneBitLANSCore(a, lr=0.01, weight_decay=0.01, dense_steps=2,
                       blend=blend)
     seq = make_grads(steps=6)
     seq[2][1] = seq[3][1].clone()      # every tensor at the same step (as in a distributed run)
@@ -539,7 +559,7 @@ def test_onebit_lans_blend_per_tensor_matches_each_reference():
     # others the momentum-only one, bit for bit in float64 up to rounding
     a, on, off = make_params(), make_params(), make_params()
     picked = {0, 2}
-    ours = OneBitLANS(a, lr=0.01, weight_decay=0.01, dense_steps=2, variance="local",
+    ours = OneBitLANSCore(a, lr=0.01, weight_decay=0.01, dense_steps=2,
                       blend=lambda i: i in picked)
     seq = make_grads(steps=6)
     seq[2][1] = seq[3][1].clone()
@@ -555,13 +575,13 @@ def test_onebit_lans_blend_per_tensor_matches_each_reference():
 
 def test_onebit_lans_callable_blend_needs_local_variance():
     with pytest.raises(ValueError, match="callable.*variance='local'.*'frozen'"):
-        OneBitLANS(make_params(), variance="frozen", blend=lambda i: True)
+        StudyOneBitLANS(make_params(), variance="frozen", blend=lambda i: True)
 
 
 def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_its_units():
     params = make_params()
     calls, communicate = halving_recorder()
-    opt = OneBitLANS(params, lr=0.01, weight_decay=0.01, dense_steps=1, variance="local",
+    opt = OneBitLANSCore(params, lr=0.01, weight_decay=0.01, dense_steps=1,
                      communicate=communicate, blend=True)
     seq = make_grads(steps=3)
     seq[2][1] = seq[1][1].clone()
@@ -573,7 +593,7 @@ def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_i
         sent = calls[4 + i][1]
         torch.testing.assert_close(st["shared_momentum"], 0.5 * sent)   # what came back
         torch.testing.assert_close(st["exp_avg"], 0.5 * sent * d)      # m = a*d, local units
-    restored = OneBitLANS(make_params(), dense_steps=1, variance="local", blend=True)
+    restored = OneBitLANSCore(make_params(), dense_steps=1, blend=True)
     restored.load_state_dict(opt.state_dict())
     assert "shared_momentum" in restored.state[restored.param_groups[0]["params"][0]]
 
@@ -587,13 +607,13 @@ def test_onebit_lans_local_variance_sends_m_over_local_d_and_keeps_momentum_in_i
 ])
 def test_onebit_lans_rejects_bad_variance(kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
-        OneBitLANS(make_params(), **kwargs)
+        StudyOneBitLANS(make_params(), **kwargs)
 
 
 def test_onebit_lans_refresh_step_updates_v_for_the_skipped_steps():
     params = make_params()
     calls, communicate = halving_recorder()
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.0, dense_steps=2,
+    opt = StudyOneBitLANS(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.0, dense_steps=2,
                      refresh_every=2, communicate=communicate, blend=False, variance="frozen")
     seq = make_grads(steps=5)
     seq[2][1] = seq[3][1].clone()      # every tensor at the same step (as in a distributed run)
@@ -628,7 +648,7 @@ def test_onebit_lans_ef21_sends_differences_and_keeps_momenta_local():
     params = make_params()
     calls, communicate = halving_recorder()
 
-    opt = OneBitLANS(params, lr=0.01, betas=(0.9, 0.99), dense_steps=2, ef21=True, blend=False,
+    opt = StudyOneBitLANS(params, lr=0.01, betas=(0.9, 0.99), dense_steps=2, ef21=True, blend=False,
                      communicate=communicate, variance="frozen")
     seq = make_grads(steps=4)
     run(opt, params, seq[:2])
@@ -662,7 +682,7 @@ def test_onebit_lans_ef21_estimate_converges_under_a_contractive_codec():
     errs = {}
     for ef21 in (False, True):
         params = make_params()
-        opt = OneBitLANS(params, lr=0.0, dense_steps=1, ef21=ef21, communicate=sign,
+        opt = StudyOneBitLANS(params, lr=0.0, dense_steps=1, ef21=ef21, communicate=sign,
                          weight_decay=0.0, precondition=False, variance="frozen")
         fixed = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i),
                              dtype=p.dtype) for i, p in enumerate(params)]
@@ -678,14 +698,14 @@ def test_onebit_lans_ef21_estimate_converges_under_a_contractive_codec():
 
 @pytest.mark.parametrize("factory", [
     lambda ps: LANS(ps, lr=0.01, weight_decay=0.01),
-    lambda ps: clan(ps, lr=0.01),
+    lambda ps: clan_core(ps, lr=0.01),
     lambda ps: LAMB(ps, lr=0.01),
     lambda ps: OneBitAdam(ps, lr=0.01, weight_decay=0.01, dense_steps=3),
-    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=2),
-    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=2, ef21=True,
+    lambda ps: StudyOneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=2),
+    lambda ps: StudyOneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=2, ef21=True,
                           communicate=lambda key, t: t.abs().mean() * torch.sign(t),
                           variance="frozen"),
-    lambda ps: OneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=1, refresh_every=2,
+    lambda ps: StudyOneBitLANS(ps, lr=0.01, weight_decay=0.01, dense_steps=1, refresh_every=2,
                           communicate=lambda key, t: t.abs().mean() * torch.sign(t),
                           variance="frozen"),
 ], ids=["lans", "clan", "lamb", "onebit_adam", "onebit_lans", "onebit_lans_ef21",
@@ -703,7 +723,7 @@ def test_state_dict_round_trip_continues_identically(factory):
     run(opt_b, b, seq[3:])
     for x, y in zip(a, b):
         assert torch.equal(x, y)
-    if isinstance(opt_b, (OneBitAdam, OneBitLANS)):
+    if isinstance(opt_b, (OneBitAdam, OneBitLANSCore)):
         assert opt_b.compression_active
 
 
@@ -719,7 +739,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("cls", [LANS, LAMB, OneBitAdam, OneBitLANS, clan])
+@pytest.mark.parametrize("cls", [LANS, LAMB, OneBitAdam, OneBitLANSCore, clan_core])
 @pytest.mark.parametrize("kwargs,name", BAD)
 def test_invalid_hyperparameters_raise(cls, kwargs, name):
     with pytest.raises(ValueError, match=name):

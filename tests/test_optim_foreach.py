@@ -23,7 +23,7 @@ from torch._prims_common import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradpress.optim import LAMB, LANS, OneBitLANS, _scalars, lamb, lans, onebit_lans
+from gradpress.optim import LAMB, LANS, OneBitLANSCore, _scalars, lamb, lans, onebit_lans
 
 SIZES = [(0,), (1,), (7,), (65,), (3, 5, 7), (129, 33)]
 
@@ -51,10 +51,9 @@ CONFIGS: list[tuple[str, Any]] = [
                                              fused=False)),
     ("lamb", lambda ps: LAMB(ps, lr=0.01, fused=False)),
     ("lamb-wd0", lambda ps: LAMB(ps, lr=0.01, weight_decay=0.0, fused=False)),
-    ("onebit-lans-blend", lambda ps: OneBitLANS(ps, lr=0.01, dense_steps=2, blend=True,
-                                                fused=False)),
-    ("onebit-lans-frozen", lambda ps: OneBitLANS(ps, lr=0.01, dense_steps=2, variance="frozen",
-                                                 fused=False)),
+    ("onebit-lans-blend", lambda ps: OneBitLANSCore(ps, lr=0.01, dense_steps=2, blend=True,
+                                                    fused=False)),
+    ("onebit-lans", lambda ps: OneBitLANSCore(ps, lr=0.01, dense_steps=2, fused=False)),
 ]
 IDS = [n for n, _ in CONFIGS]
 

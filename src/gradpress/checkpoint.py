@@ -110,7 +110,7 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
        of each device the model is on, :func:`rng_state`) and ``extra``; worker 0 adds
        the model and the optimizer's state (without the per-worker codec part); every worker
        adds its own optimizer state when it differs between workers (an optimizer class with
-       ``per_worker_state = True``, such as :class:`gradpress.optim.OneBitLANS`);
+       ``per_worker_state = True``, such as :class:`gradpress.optim.OneBitLANSCore`);
     3. every server writes ``server<i>.pt`` (:func:`gradpress.save_server_state`);
     4. after a barrier, the first worker of each node writes ``meta.json`` (step, world sizes,
        spec, tag, the sha256 of every worker and server file it sees), atomically: a directory

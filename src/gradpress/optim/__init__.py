@@ -5,7 +5,7 @@ distributed layer (:class:`gradpress.DistributedOptimizer`) puts the averaged, d
 gradient there before ``step()``. See ``docs/reference/api.md`` for the math and
 ``docs/guide.md`` for choosing one.
 
-    from gradpress.optim import LANS, LAMB, OneBitAdam, clan
+    from gradpress.optim import LANS, LAMB, OneBitAdam, OneBitLANSCore, clan_core
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 from .lamb import LAMB
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam
-from .onebit_lans import OneBitLANS
+from .onebit_lans import OneBitLANSCore
 
-__all__ = ["LANS", "LAMB", "OneBitAdam", "OneBitLANS", "Communicate", "clan", "CLAN_REFERENCE_LR",
-           "weight_decay_groups"]
+__all__ = ["LANS", "LAMB", "OneBitAdam", "OneBitLANSCore", "Communicate", "clan_core",
+           "CLAN_REFERENCE_LR", "weight_decay_groups"]
 
 #: The paper's learning rates for BERT-base at total batch 2k (Zhong et al. 2021, phase 1).
 CLAN_REFERENCE_LR = {
@@ -46,10 +46,12 @@ def weight_decay_groups(params: Iterable[torch.nn.Parameter],
                         {"params": rest, "weight_decay": 0.0}) if g["params"]]
 
 
-def clan(params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-         eps: float = 1e-6, weight_decay: float = 0.01, min_trust: float | None = None,
-         max_trust: float | None = None) -> LANS:
-    """The optimizer half of CLAN: :class:`LANS` with per-layer gradient normalisation off.
+def clan_core(params: Iterable[Any], lr: float = 1e-3,
+              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+              weight_decay: float = 0.01, min_trust: float | None = None,
+              max_trust: float | None = None) -> LANS:
+    """The single-process core of CLAN (``gp.CLAN`` builds it for a cluster): :class:`LANS`
+    with per-layer gradient normalisation off.
 
     CLAN (Zhong, Xie, Zheng, Lin 2021, "Compressed Communication for Distributed Training:
     Adaptive Methods and System") is LANS driven by the two-way compressed gradient with

@@ -1,6 +1,6 @@
 """How far a 1-bit optimizer's compressed momenta drift from the exact ones, and recovery.
 
-:class:`~gradpress.optim.OneBitLANS` steps along ``a``, the average of the workers' momenta
+:class:`~gradpress.optim.OneBitLANSCore` steps along ``a``, the average of the workers' momenta
 ``u = m/(sqrt(v)+eps)`` delivered through a two-way compressed link with error feedback. Error
 feedback keeps ``a`` close to the exact average ``u_bar`` *over time*; when it stops doing so
 (residuals that grow, a codec whose scale misfits the tensor), training drifts away from what
@@ -112,7 +112,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class Watched:
-    """Mixin of :class:`~gradpress.optim.OneBitLANS`: the watch's steps inside its ``step()``.
+    """Mixin of :class:`~gradpress.optim.OneBitLANSCore`: the watch's steps inside its ``step()``.
     Needs ``state``, ``param_groups``, ``_communicate``, ``watch`` (a :class:`HealthWatch` or
     None), ``param_names`` and ``_holds(index)`` (the tensors watched)."""
 

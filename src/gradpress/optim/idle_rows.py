@@ -1,4 +1,4 @@
-"""OneBitLANS's idle rows (step 2b of :class:`~gradpress.optim.OneBitLANS`).
+"""OneBitLANS's idle rows (step 2b of :class:`~gradpress.optim.OneBitLANSCore`).
 
 A tensor of two or more dimensions whose averaged dense-phase gradient had a row of zeros (an
 embedding) is marked on every worker alike. In the compression stage each worker sends, exact,
@@ -40,7 +40,7 @@ def _scale_up(a: torch.Tensor, used: torch.Tensor, sent_norm: torch.Tensor) -> t
 
 
 class IdleRows:
-    """Mixin of :class:`~gradpress.optim.OneBitLANS`: needs ``state``, ``_communicate`` and
+    """Mixin of :class:`~gradpress.optim.OneBitLANSCore`: needs ``state``, ``_communicate`` and
     ``_holds(index)`` (whether ``hold_idle_rows`` applies to a flat parameter index)."""
 
     state: Any

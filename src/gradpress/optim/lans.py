@@ -50,12 +50,6 @@ class LANS(BucketedOptimizer):
        clamped to ``[min_trust, max_trust]`` when given.
     7. Update: ``x = x - lr*b1*q_r*r - lr*(1-b1)*q_c*c``.
 
-    With ``freeze_variance_after=N`` (None by default), a tensor's ``v`` stops changing after
-    its ``N``-th step and its bias correction stays ``1-b2^N`` (step 2 updates only ``m``;
-    step 3 uses ``min(t, N)`` for ``v``), as 1-bit Adam and DeepSpeed's 1-bit LAMB do once
-    compression starts: a sign- or top-k-compressed gradient is a poor estimate of the
-    per-element second moment.
-
     The trust ratios make the step of every layer proportional to that layer's weight norm, so
     one learning rate serves embeddings, attention and LayerNorm weights alike; this is what
     lets LANS/LAMB train BERT at batch 32k-96k. Weight decay is decoupled (added to the
@@ -69,7 +63,7 @@ class LANS(BucketedOptimizer):
       0.00125 for BERT-base at batch 2k (``lr`` grows about with the square root of the batch
       size; 0.0060 at 64k). Always use a warm-up (linear, 1-10% of steps) and a decay schedule.
       CLAN (``normalize_grad=False`` on a compressed gradient) wants its own rate; see
-      :func:`gradpress.optim.clan`.
+      :func:`gradpress.optim.clan_core`.
     * ``betas``: keep ``(0.9, 0.999)``. ``b1`` also sets the blend between the momentum
       (weight ``b1``) and instant-gradient (``1-b1``) directions. Lower ``b2`` (0.98-0.99) if
       the loss spikes after warm-up; it makes the second moment follow the gradient faster.
@@ -81,9 +75,6 @@ class LANS(BucketedOptimizer):
       scale (useful with loss scaling or very large batches). Turn it off (CLAN) when the
       gradient comes through compression with error feedback: normalising a compressed
       gradient per layer would rescale the residual that the error feedback carries over.
-    * ``freeze_variance_after``: None (LANS proper, and what ``gp.CLAN`` uses). An experiment
-      switch: set to the number of dense steps, ``v`` keeps the dense gradient's per-element
-      scale once the gradient is compressed.
     * ``min_trust``/``max_trust``: None (unbounded) unless some layer's weight norm is near 0
       at initialisation and its step gets too small (``min_trust``), or a layer with a tiny
       update direction explodes (``max_trust``, e.g. 10).
@@ -106,8 +97,6 @@ class LANS(BucketedOptimizer):
         normalize_grad: divide each tensor's gradient by its L2 norm first (step 1).
         min_trust: optional lower bound of the trust ratios (step 6).
         max_trust: optional upper bound of the trust ratios (step 6).
-        freeze_variance_after: None, or an int >= 1: ``v`` is frozen after this many steps of
-            a tensor.
         fused: None (default) picks the fused CPU kernel for every bucket of contiguous float32
             CPU tensors and the foreach path for the rest; True requires the fused kernel
             (ValueError for a parameter, gradient or moment it cannot take); False always uses
@@ -127,10 +116,9 @@ class LANS(BucketedOptimizer):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, normalize_grad: bool = True,
                  min_trust: float | None = None, max_trust: float | None = None,
-                 fused: bool | None = None, freeze_variance_after: int | None = None) -> None:
+                 fused: bool | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        normalize_grad=normalize_grad, min_trust=min_trust, max_trust=max_trust,
-                        freeze_variance_after=freeze_variance_after)
+                        normalize_grad=normalize_grad, min_trust=min_trust, max_trust=max_trust)
         self._setup(params, defaults, fused)
 
     def _setup(self, params: Iterable[Any], defaults: dict[str, Any], fused: bool | None) -> None:
@@ -146,9 +134,6 @@ class LANS(BucketedOptimizer):
         if not isinstance(group["normalize_grad"], bool):
             raise ValueError(f"normalize_grad must be a bool, got {group['normalize_grad']!r}")
         check_trust(group["min_trust"], group["max_trust"])
-        fs = group.setdefault("freeze_variance_after", None)
-        if fs is not None and (not isinstance(fs, int) or isinstance(fs, bool) or fs < 1):
-            raise ValueError(f"freeze_variance_after must be None or an int >= 1, got {fs!r}")
         self._check_fused_params(group)
 
     @staticmethod
@@ -160,8 +145,13 @@ class LANS(BucketedOptimizer):
         n = torch.where(n > 0, n, torch.ones_like(n)).to(grads[0].dtype)
         return divided(grads, n)
 
+    def _variance_frozen_after(self, group: dict[str, Any]) -> int | None:
+        """The step after which ``v`` stops changing: None, LANS proper (the convergence
+        study's variant in ``benchmarks/`` freezes it)."""
+        return None
+
     def _update(self, b: Bucket, group: dict[str, Any]) -> None:
-        frozen = group.get("freeze_variance_after")
+        frozen = self._variance_frozen_after(group)
         if use_fused(b, self.fused, type(self).__name__):
             # Steps 1-7 per tensor in two passes (gradpress.optim.kernels).
             fused_layerwise_(b, group, blend=True, normalize=group["normalize_grad"],
@@ -171,7 +161,7 @@ class LANS(BucketedOptimizer):
         lr, wd = group["lr"], group["weight_decay"]
         # Step 1: per-layer gradient normalisation (a copy; p.grad stays as it was).
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        # Step 2: first and second moments (v frozen after freeze_variance_after).
+        # Step 2: first and second moments.
         moments_(b, g, beta1, beta2, frozen_after=frozen)
         # Step 3: d = s*(sqrt(vh) + eps) with s = sqrt(1 - b2^t), per tensor's own t.
         d, s = adam_denominators(b, beta2, group["eps"], frozen_after=frozen)

@@ -3,7 +3,7 @@
 The 1-bit Adam recipe (Tang et al., ICML 2021, arXiv:2102.02888; :class:`OneBitAdam`) applied to
 LANS (Zheng et al. 2020, arXiv:2006.13484), in the way DeepSpeed's 1-bit LAMB (Li et al. 2021,
 arXiv:2104.06069) applies it to LAMB: what travels compressed after the dense phase is each
-worker's momentum, not its gradient. ``gp.OneBitLANS`` wraps it for a cluster; see
+worker's momentum, not its gradient. ``gp.OneBitLANS`` builds it for a cluster; see
 ``docs/guide.md`` for when to prefer it to CLAN.
 """
 
@@ -30,15 +30,10 @@ from .idle_rows import IdleRows
 from .lans import LANS
 from .onebit_adam import Communicate, OneBitAdam, _split, _split_where, received
 
-__all__ = ["OneBitLANS", "SENDS", "VARIANCES"]
-
-#: What :class:`OneBitLANS` communicates in its compression stage.
-SENDS = ("momentum", "gradient")
-#: How :class:`OneBitLANS` keeps the second moment in its compression stage.
-VARIANCES = ("frozen", "local")
+__all__ = ["OneBitLANSCore"]
 
 
-class OneBitLANS(IdleRows, Watched, LANS):
+class OneBitLANSCore(IdleRows, Watched, LANS):
     r"""1-bit LANS, single-process core (the distributed layer supplies ``communicate``).
 
     Per parameter tensor ``x`` at its step ``t`` with ``g = p.grad``:
@@ -54,7 +49,7 @@ class OneBitLANS(IdleRows, Watched, LANS):
        error feedback; None: identity). What comes back, ``a``, the average of the workers'
        ``m/d``, is the same on every worker, so the replicas stay identical; each worker's
        momentum becomes ``m = a*d`` in its own units.
-    2b. Idle rows (``hold_idle_rows``, ``variance="local"``): a tensor of two or more dimensions
+    2b. Idle rows (``hold_idle_rows``): a tensor of two or more dimensions
        whose averaged dense-phase gradient had a row of zeros (an embedding: rows of tokens
        absent from a batch) is marked on every worker alike. In the compression stage each
        worker also sends, exact, which of its rows have a gradient (``communicate(key +
@@ -95,14 +90,6 @@ class OneBitLANS(IdleRows, Watched, LANS):
     * ``betas``: ``(0.9, 0.999)``; a high ``b1`` averages the momentum's compression error out.
     * ``eps``, ``weight_decay``, ``min_trust``, ``max_trust``: as :class:`LANS`.
 
-    Experiment switches (off by default; the convergence study in ``benchmarks/`` measures
-    them): ``variance="frozen"`` (1-bit Adam's frozen ``v``, bias-corrected at
-    ``dense_steps``; then also ``precondition=False`` to send ``m`` rather than ``m/d``,
-    ``sends="gradient"`` to send the gradient and keep the momentum local, ``ef21=True`` to
-    send differences to a shared estimate (EF21, Richtarik et al. 2021, arXiv:2106.05203; the
-    distributed layer must run without residuals) and ``refresh_every=K`` for one dense step
-    every ``K`` compression-stage steps that refreshes ``v``, after 0/1 Adam, arXiv:2202.06009).
-
     Recipe (the same as :class:`OneBitAdam`): while :attr:`compression_active` is False the caller
     averages gradients uncompressed into ``p.grad``; once True it leaves the local gradient there
     and ``communicate`` must do a compressed push_pull of the momentum. ``key`` is the
@@ -117,18 +104,16 @@ class OneBitLANS(IdleRows, Watched, LANS):
         communicate: ``communicate(key: str, m: Tensor)`` returning the averaged momentum (a
             tensor or a handle with ``wait()``); None means identity.
         blend: step 4 for every tensor (True), none (False, the default), or those whose
-            flat index ``i`` has ``blend(i)`` true (a callable; ``variance="local"`` only).
+            flat index ``i`` has ``blend(i)`` true (a callable).
             ``gp.OneBitLANS`` and ``gradpress train`` blend every tensor when every momentum
             travels exact, none otherwise.
         hold_idle_rows: step 2b for every tensor with idle rows (True), none (False, the
             default), or those whose flat index ``i`` has ``hold_idle_rows(i)`` true (a
-            callable). ``gp.OneBitLANS`` holds those whose momentum travels compressed. Needs
-            ``variance="local"``; the same tensors are the ones ``watch`` watches.
+            callable). ``gp.OneBitLANS`` holds those whose momentum travels compressed; the same
+            tensors are the ones ``watch`` watches.
         watch: a :class:`~gradpress.optim.health.HealthWatch` that probes the compressed
             momenta against their exact average and has a drifted tensor recover (the caller
             routes it by :meth:`recovering` and :meth:`generation`); None (the default): none.
-        variance, precondition, sends, ef21, refresh_every: the experiment switches above
-            (``"local"``, True, ``"momentum"``, False, None by default).
 
     Raises:
         ValueError: a hyperparameter is out of range (the message names it).
@@ -145,63 +130,35 @@ class OneBitLANS(IdleRows, Watched, LANS):
                  weight_decay: float = 0.01, normalize_grad: bool = True,
                  min_trust: float | None = None, max_trust: float | None = None,
                  fused: bool | None = None, dense_steps: int = 100,
-                 communicate: Communicate | None = None, variance: str = "local",
-                 blend: bool | Callable[[int], bool] = False, precondition: bool = True,
-                 sends: str = "momentum", ef21: bool = False,
-                 refresh_every: int | None = None,
+                 communicate: Communicate | None = None,
+                 blend: bool | Callable[[int], bool] = False,
                  hold_idle_rows: bool | Callable[[int], bool] = False,
                  watch: HealthWatch | None = None) -> None:
         if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 1:
             raise ValueError(f"dense_steps must be an int >= 1, got {dense_steps!r}")
-        if callable(blend) and variance != "local":
-            raise ValueError(f"a per-tensor blend (a callable) needs variance='local', "
-                             f"got variance={variance!r}")
-        for name, flag in (("blend", blend if not callable(blend) else True),
-                           ("precondition", precondition), ("ef21", ef21)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
-        if refresh_every is not None and (isinstance(refresh_every, bool) or not isinstance(
-                refresh_every, int) or refresh_every < 1):
-            raise ValueError(f"refresh_every must be None or an int >= 1, got {refresh_every!r}")
-        self.refresh_every = refresh_every
-        if sends not in SENDS:
-            raise ValueError(f"sends must be one of {', '.join(SENDS)}, got {sends!r}")
-        if not callable(hold_idle_rows) and not isinstance(hold_idle_rows, bool):
-            raise TypeError(f"hold_idle_rows must be a bool or a callable, got "
-                            f"{hold_idle_rows!r}")
-        self.hold_idle_rows = hold_idle_rows
+        for name, flag in (("blend", blend), ("hold_idle_rows", hold_idle_rows)):
+            if not callable(flag) and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool or a callable, got {flag!r}")
         if watch is not None and not isinstance(watch, HealthWatch):
             raise TypeError(f"watch must be a gradpress.optim.health.HealthWatch or None, got "
                             f"{watch!r}")
-        self.watch = watch
+        self.blend, self.hold_idle_rows, self.watch = blend, hold_idle_rows, watch
         #: flat index -> parameter name, for the watch's warnings (``gp.OneBitLANS`` sets it)
         self.param_names: dict[int, str] = {}
-        self.blend, self.precondition, self.sends, self.ef21 = blend, precondition, sends, ef21
-        self.variance = _check_variance(variance, self)
         self._setup(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  normalize_grad=normalize_grad, min_trust=min_trust,
-                                 max_trust=max_trust, freeze_variance_after=None,
-                                 dense_steps=dense_steps), fused)
+                                 max_trust=max_trust, dense_steps=dense_steps), fused)
         self.communicate = communicate
 
     communicate = OneBitAdam.communicate
     compression_active = OneBitAdam.compression_active
     _launch = OneBitAdam._launch
-
-    def _compresses(self, t: int, group: dict[str, Any]) -> bool:
-        """Whether a tensor's step ``t`` runs the compression stage: past the dense phase and
-        not a refresh step, which is dense."""
-        return t > group["dense_steps"] and not self._refreshes(t, group)
-
-    def _refreshes(self, t: int, group: dict[str, Any]) -> bool:
-        """Whether step ``t`` of a tensor is a variance-refresh step (``refresh_every``)."""
-        k, fs = self.refresh_every, group["dense_steps"]
-        return k is not None and t > fs and (t - fs) % k == 0
+    _compresses = OneBitAdam._compresses
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
         if group["dense_steps"] is None:
-            raise ValueError("dense_steps must be an int >= 1 for OneBitLANS, got None")
+            raise ValueError("dense_steps must be an int >= 1 for OneBitLANSCore, got None")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -211,38 +168,18 @@ class OneBitLANS(IdleRows, Watched, LANS):
         for b, group in self._bucketed():
             fs = group["dense_steps"]
             warm, comp = _split(b, lambda t, fs=fs: t <= fs)
-            refresh, comp = _split(comp, lambda t, g=group: self._refreshes(t, g))
             if warm.params:
                 # Step 1: a LANS step on the (uncompressed-averaged) gradient.
                 self._note_idle_rows(warm)
                 self._update(warm, group)
-            if refresh.params:
-                self._refresh(refresh, group)
             for part, blend in self._by_blend(comp):
                 # Step 2: launch every communication of the step before waiting for any.
                 stages.append((part, group) + self._send(part, group, blend))
-        for b, group, pending, prev, (d, s), est, rows, probes in stages:
+        for b, group, pending, prev, (d, s), rows, probes in stages:
             got = received(b, pending)
-            if est is not None:
-                torch._foreach_add_(est, got)          # EF21: h = h + averaged difference
-                got = est
-            if self.variance == "local":
-                got, step = self._hold_idle_rows(b, group, got, rows)
-                self._check_health(b, step, probes)
-                self._local_update(b, group, got, prev, d, s, step)
-                continue
-            if self.precondition:
-                got = torch._foreach_mul(got, d)        # back from x/d to x
-            mom = b.exp_avgs
-            if self.sends == "gradient":
-                moments_(b, got, *group["betas"], update_variance=False)
-            elif est is not None:
-                mom = got      # EF21: the momenta stay local; step along the shared estimate
-            else:
-                for m, avg in zip(b.exp_avgs, got):
-                    if avg is not m:
-                        m.copy_(avg)
-            self._momentum_update(b, group, prev, mom, d, s)
+            got, step = self._hold_idle_rows(b, group, got, rows)     # step 2b
+            self._check_health(b, step, probes)                         # step 2c
+            self._local_update(b, group, got, prev, d, s, step)         # steps 3-4
         return loss
 
     def _by_blend(self, b: Bucket) -> list[tuple[Bucket, bool]]:
@@ -256,36 +193,15 @@ class OneBitLANS(IdleRows, Watched, LANS):
         return [(part, flag) for part, flag in ((yes, True), (no, False)) if part.params]
 
     def _send(self, b: Bucket, group: dict[str, Any], blend: bool
-              ) -> tuple[list[Any], Any, Any, Any, dict[int, Any], dict[int, Any]]:
-        """Step 2 up to the communication: returns (pending, b1*m_prev or None, the
-        ``(d, s)`` of :func:`adam_denominators`, the EF21 estimates or None, and by position in
-        ``b`` the pending row flags of step 2b and probes of step 2c)."""
-        beta1, beta2 = group["betas"]
-        if self.variance == "local":
-            flags = self._row_flags(b, group)  # before normalising: which rows have a gradient
-            g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-            sent, prev, ds = self._local_moments(b, group, g, blend)
-            return (self._launch(b, sent), prev, ds, None, self._send_rows(b, flags, sent),
-                    self._send_probes(b, group, sent))
+              ) -> tuple[list[Any], Any, Any, dict[int, Any], dict[int, Any]]:
+        """Step 2 up to the communication: returns (pending, b1*a_prev or None, the
+        ``(d, s)`` of :func:`adam_denominators`, and by position in ``b`` the pending row
+        flags of step 2b and probes of step 2c)."""
+        flags = self._row_flags(b, group)  # before normalising: which rows have a gradient
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        ds = self._denominators(b, group)
-        d = ds[0] if self.precondition else None     # what the sent tensors are divided by
-        est = self._estimates(b, d) if self.ef21 else None
-        prev = None
-        if blend:  # b1 * the momentum the last update stepped along
-            last = b.exp_avgs
-            if est is not None and self.sends == "momentum":
-                last = torch._foreach_mul(est, d) if d is not None else est
-            prev = torch._foreach_mul(last, beta1)
-        if self.sends == "momentum":
-            moments_(b, g, beta1, beta2, update_variance=False)   # local momentum, v frozen
-            src = b.exp_avgs
-        else:
-            src = g
-        sent = torch._foreach_div(src, d) if d is not None else list(src)
-        if est is not None:
-            sent = torch._foreach_sub(sent, est)        # EF21: only the difference travels
-        return self._launch(b, sent), prev, ds, est, {}, {}
+        sent, prev, ds = self._local_moments(b, group, g, blend)
+        return (self._launch(b, sent), prev, ds, self._send_rows(b, flags, sent),
+                self._send_probes(b, group, sent))
 
     def _holds(self, index: int) -> bool:
         """Whether ``hold_idle_rows`` (and the watch) apply to flat parameter ``index``."""
@@ -300,7 +216,7 @@ class OneBitLANS(IdleRows, Watched, LANS):
         prev = None
         if blend:  # a_prev; at the first compressed step the dense phase's (shared) m/d
             if any("shared_momentum" not in self.state[p] for p in b.params):
-                d_last = self._denominators(b, group)[0]
+                d_last = self._dense_denominators(b, group)[0]
                 for p, m, d in zip(b.params, b.exp_avgs, d_last):
                     self.state[p].setdefault("shared_momentum", m / d)
             prev = torch._foreach_mul([self.state[p]["shared_momentum"] for p in b.params],
@@ -320,43 +236,14 @@ class OneBitLANS(IdleRows, Watched, LANS):
                 self.state[p]["shared_momentum"] = a.clone()
         self._momentum_update(b, group, prev, step, None, s)
 
-    def _denominators(self, b: Bucket, group: dict[str, Any]
-                      ) -> tuple[list[torch.Tensor], list[float]]:
-        """:func:`adam_denominators` of the frozen ``v``, bias-corrected at the step of its
-        last update (``dense_steps``, or the last refresh)."""
-        vsteps = [self.state[p].get("variance_step", group["dense_steps"]) for p in b.params]
-        return adam_denominators(dataclasses.replace(b, steps=vsteps), group["betas"][1],
+    @staticmethod
+    def _dense_denominators(b: Bucket, group: dict[str, Any]
+                            ) -> tuple[list[torch.Tensor], list[float]]:
+        """:func:`adam_denominators` of ``v`` as the dense phase left it (bias-corrected at
+        ``dense_steps``)."""
+        steps = [group["dense_steps"]] * len(b.params)
+        return adam_denominators(dataclasses.replace(b, steps=steps), group["betas"][1],
                                  group["eps"])
-
-    def _refresh(self, b: Bucket, group: dict[str, Any]) -> None:
-        """``refresh_every``: a dense step on the uncompressed-averaged gradient that refreshes
-        ``v``."""
-        beta1, beta2 = group["betas"]
-        g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
-        prev = torch._foreach_mul(b.exp_avgs, beta1) if self.blend is True else None
-        for p, v, gi, t in zip(b.params, b.exp_avg_sqs, g, b.steps):
-            st = self.state[p]
-            # the averaged gradient stands in for the k steps since v's last update
-            w = beta2 ** (t - st.get("variance_step", group["dense_steps"]))
-            v.mul_(w).addcmul_(gi, gi, value=1.0 - w)
-            st["variance_step"] = t
-        torch._foreach_lerp_(b.exp_avgs, g, 1.0 - beta1)
-        d, s = self._denominators(b, group)
-        if self.ef21:  # every worker holds the same m and d: the estimates restart exact
-            for p, m, di in zip(b.params, b.exp_avgs, d):
-                self.state[p]["ef21_estimate"] = m / di if self.precondition else m.clone()
-        self._momentum_update(b, group, prev, b.exp_avgs, d, s)
-
-    def _estimates(self, b: Bucket, d: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """The EF21 estimates of the bucket's tensors, created from the shared momentum (the
-        same on every worker when compression starts) on first use."""
-        out = []
-        for i, (p, m) in enumerate(zip(b.params, b.exp_avgs)):
-            st = self.state[p]
-            if "ef21_estimate" not in st:
-                st["ef21_estimate"] = m / d[i] if d is not None else m.clone()
-            out.append(st["ef21_estimate"])
-        return out
 
     @staticmethod
     def _momentum_update(b: Bucket, group: dict[str, Any], prev: list[torch.Tensor] | None,
@@ -383,22 +270,3 @@ class OneBitLANS(IdleRows, Watched, LANS):
         q_c = trust_ratios(xn, c, group["min_trust"], group["max_trust"])
         add_scaled_(b.params, r, scaled_by(q_r, -lr * beta1, dtype))
         add_scaled_(b.params, c, scaled_by(q_c, -lr * (1.0 - beta1), dtype))
-
-
-def _check_variance(variance: Any, opt: OneBitLANS) -> str:
-    """``variance`` if valid and compatible with the other options, else ValueError."""
-    if variance not in VARIANCES:
-        raise ValueError(f"variance must be one of {', '.join(VARIANCES)}, got {variance!r}")
-    if variance != "local" and opt.hold_idle_rows is not False:
-        raise ValueError(f"hold_idle_rows needs variance='local', got variance={variance!r}")
-    if variance == "local":
-        clash = [name for name, bad in (("precondition=False", not opt.precondition),
-                                        (f"sends={opt.sends!r}", opt.sends != "momentum"),
-                                        ("ef21=True", opt.ef21),
-                                        (f"refresh_every={opt.refresh_every!r}",
-                                         opt.refresh_every is not None)) if bad]
-        if clash:
-            raise ValueError(f"variance='local' needs precondition=True, sends='momentum', "
-                             f"no ef21 and no refresh_every (the local v is never stale), "
-                             f"got {', '.join(clash)}")
-    return variance

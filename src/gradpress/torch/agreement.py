@@ -14,7 +14,7 @@ not. The dense phase measures this on the real gradients, the same way on every 
    workers have in common (1: every worker sends the same gradient; 0: independent noise,
    whose average has ``1/W`` of a worker's squared norm).
 4. Tensors with ``a`` below :data:`AGREEMENT_THRESHOLD` travel exact; the others compressed.
-   Except the tensors whose idle rows the optimizer holds (:class:`gradpress.optim.OneBitLANS`,
+   Except the tensors whose idle rows the optimizer holds (:class:`gradpress.optim.OneBitLANSCore`,
    an embedding's rows without gradient): their agreement is low because different workers
    touch different rows, which exact averaging cannot cancel either, so they are compressed.
 

@@ -359,7 +359,7 @@ def _health_notes(opt: Any, traffic: MomentumTraffic, flat: Sequence[Any],
 
 def _held_rows(opt: Any, traffic: MomentumTraffic, flat: Sequence[Any], partition_bytes: int
                ) -> tuple[TensorPlan, ...]:
-    """A row per tensor whose idle rows :class:`~gradpress.optim.OneBitLANS` holds (step 2b):
+    """A row per tensor whose idle rows :class:`~gradpress.optim.OneBitLANSCore` holds (step 2b):
     the exact flags of which rows have a gradient, one fp32 value a row (no model bytes)."""
     from ..optim.idle_rows import has_idle_rows
 

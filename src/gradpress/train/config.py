@@ -16,20 +16,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .. import defaults
+from ..torch.builder import METHODS, MOMENTUM_METHODS
 from .options import option
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES", "DEFAULT_DENSE_STEPS",
-           "MOMENTUM_OPTIMIZERS"]
+__all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES", "MOMENTUM_OPTIMIZERS"]
 
-#: ``--optimizer`` choices; see :mod:`gradpress.train.session` for what each one builds.
-OPTIMIZERS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam", "onebit-lans")
+#: ``--optimizer`` choices; :mod:`gradpress.torch.builder` says what each one builds.
+OPTIMIZERS = METHODS
 #: Optimizers that communicate their momentum after ``dense_steps`` (>= 1) dense steps.
-MOMENTUM_OPTIMIZERS = ("onebit-adam", "onebit-lans")
+MOMENTUM_OPTIMIZERS = MOMENTUM_METHODS
 #: The error-feedback kinds ``--ef`` takes (``vanilla`` also as ``vanilla:decay=B,...``).
 EF_CHOICES = ("vanilla", "corrected", "sparse", "none")
-#: ``dense_steps`` when not given, per optimizer (0 if absent; the 1-bit optimizers: 20% of the
-#: run, as DeepSpeed's 15-25%): CLAN's second moment settles on dense gradients first.
-DEFAULT_DENSE_STEPS: dict[str, int] = {"clan": 100}
 #: Learning-rate schedules after the linear warm-up.
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -72,8 +70,9 @@ class TrainConfig:
     Every field is documented by its help text (``gradpress train --help``).
     """
 
-    name: str = option("run", "label of the run: prefixes its tensor names (runs can share a "
-                              "cluster) and names it in reports", metavar="NAME")
+    #: Label of the run: prefixes its tensor names (runs can share a cluster, as the demo's
+    #: three do) and names it in reports.
+    name: str = "run"
     task: str | None = option(None, "bundled task, or give a worker script after --",
                               metavar="NAME", choices=lambda: _task_names())
     script: tuple[str, ...] = option((), "script mode: -- CMD ... run by each worker instead "
@@ -81,14 +80,16 @@ class TrainConfig:
                                      positional=True)
     workers: int = option(2, "worker processes", metavar="N")
     servers: int = option(1, "parameter-server processes", metavar="N")
-    compression: str = option("none", "codec spec of the gradients (of the momenta for "
-                                      "onebit-adam/onebit-lans), e.g. onebit, "
-                                      "topk:k=0.001,values=fp16", metavar="SPEC")
-    ef: str = option("vanilla", "error feedback on workers and servers; vanilla also as "
-                                "vanilla:decay=B[,server_decay=S][,anneal=1] (residuals decay "
-                                "by B a step, the servers' by S; anneal=1 moves B towards 1 as "
-                                "the lr falls); ignored without compression",
-                     metavar="KIND", choices=EF_CHOICES)
+    compression: str = option(defaults.COMPRESSION, "codec spec of the gradients (of the "
+                                                    "momenta for onebit-adam/onebit-lans), e.g. "
+                                                    "none, topk:k=0.001,values=fp16",
+                              metavar="SPEC")
+    ef: str | None = option(None, "error feedback on workers and servers (default: "
+                                  f"{defaults.MOMENTUM_EF} for onebit-lans, {defaults.EF} "
+                                  "otherwise); vanilla also as vanilla:decay=B[,server_decay=S]"
+                                  "[,anneal=1] (residuals decay by B a step, the servers' by S; "
+                                  "anneal=1 moves B towards 1 as the lr falls); ignored without "
+                                  "compression", metavar="KIND", choices=EF_CHOICES)
     optimizer: str = option("clan", "optimizer", metavar="NAME", choices=OPTIMIZERS)
     lr: float | None = option(None, "peak learning rate (default: the task's for the "
                                     "optimizer; required with a script)", metavar="LR")
@@ -106,21 +107,19 @@ class TrainConfig:
     schedule: str = option("cosine", "lr schedule after the warm-up", metavar="KIND",
                            choices=SCHEDULES)
     dense_steps: int | None = option(None, "uncompressed opening steps before compression "
-                                           "starts (default: clan 100, onebit-adam and "
-                                           "onebit-lans 20% of the run, others 0; not for "
-                                           "sgd-ef)", metavar="N")
-    momentum: float | None = option(None, "sgd-ef momentum, applied before compression "
-                                          "(default: the task's)", metavar="MU")
-    betas: tuple[float, float] | None = option(None, "first- and second-moment decays of the "
-                                                     "Adam-family optimizers (default: 0.9 "
-                                                     "0.999)", metavar="B")
-    min_compress_bytes: int = option(16 << 10, "smaller gradients travel uncompressed and "
-                                               "exact", metavar="BYTES")
-    uncompressed_params: tuple[str, ...] = option((), "parameters (names or fnmatch patterns, "
-                                                      "e.g. pos.weight) whose gradients or "
-                                                      "momenta always travel uncompressed; "
-                                                      "auto: measured in the dense phase",
-                                                  metavar="NAME")
+                                           f"starts (default: {defaults.DENSE_STEPS} for clan, "
+                                           "onebit-lans and onebit-adam, 0 for the others; "
+                                           "not for sgd-ef)", metavar="N")
+    uncompressed_params: tuple[str, ...] = option(
+        (defaults.UNCOMPRESSED_PARAMS,), "parameters (names or fnmatch patterns, e.g. "
+        "pos.weight) whose gradients or momenta always travel uncompressed; auto: those whose "
+        "gradients agree little across workers, measured in the dense phase", metavar="NAME")
+    #: ``sgd-ef``'s momentum, applied before compression (None: the task's).
+    momentum: float | None = None
+    #: The Adam-family optimizers' moment decays (None: :data:`gradpress.defaults.BETAS`).
+    betas: tuple[float, float] | None = None
+    #: Smaller gradients (momenta) travel exact; ``"auto"``: measured from the model's sizes.
+    min_compress_bytes: int | str = defaults.MIN_COMPRESS_BYTES
     stop_on_divergence: float | None = option(None, "stop (status failed) when the 50-step "
                                                     "mean training loss climbs back this "
                                                     "fraction of the way from its lowest to "
@@ -155,7 +154,8 @@ class TrainConfig:
         _positive_int(self, "warmup_steps", lo=0)
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         self._check_dense_steps()
-        _positive_int(self, "min_compress_bytes", optional=False, lo=0)
+        if self.min_compress_bytes != "auto":
+            _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
         self._check_recovery()
         _number(self, "lr", 0.0, strict=True)
@@ -216,12 +216,15 @@ class TrainConfig:
                              f"with optimizer 'sgd-ef'")
 
     def _check_ef(self) -> None:
-        """``ef``: an error-feedback spec, text or :class:`~gradpress.compress.EFSpec` (checked
-        whether or not compression is on; an EFSpec is kept as its text, so configs stay JSON)."""
+        """``ef``: None (the optimizer's default) or an error-feedback spec, text or
+        :class:`~gradpress.compress.EFSpec` (checked whether or not compression is on; an EFSpec
+        is kept as its text, so configs stay JSON)."""
         from ..compress.spec import EFSpec, parse_ef
 
         if isinstance(self.ef, EFSpec):
             object.__setattr__(self, "ef", str(self.ef))
+        if self.ef is None:
+            return
         if not isinstance(self.ef, str) or not self.ef.strip():
             raise ValueError(f"TrainConfig.ef must be an error-feedback spec such as 'vanilla' "
                              f"or an EFSpec, got {self.ef!r}")
@@ -275,9 +278,10 @@ class TrainConfig:
     @property
     def effective_ef(self) -> str | None:
         """The codec's error feedback: None without compression or with ``ef='none'``."""
-        if self.ef.strip().lower() == "none" or not self.compressed:
+        ef = defaults.ef_for(self.optimizer) if self.ef is None else self.ef
+        if ef.strip().lower() == "none" or not self.compressed:
             return None
-        return self.ef
+        return ef
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (``script`` as a list)."""

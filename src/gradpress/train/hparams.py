@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .config import DEFAULT_DENSE_STEPS, MOMENTUM_OPTIMIZERS, TrainConfig
+from .. import defaults as default_values
+from .config import TrainConfig
 
 __all__ = ["resolve_hparams", "lr_factor"]
 
@@ -22,23 +23,15 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         "lr": cfg.lr if cfg.lr is not None else defaults.lr_for(family),
         "weight_decay": _first(cfg.weight_decay, getattr(defaults, "weight_decay", None), 0.0),
         "warmup_steps": _first(cfg.warmup_steps, getattr(defaults, "warmup_steps", None), 0),
-        "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None), 0.9),
+        "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None),
+                           default_values.SGD_MOMENTUM),
         "schedule": cfg.schedule, "total_steps": total_steps,
     }
     if cfg.optimizer != "sgd-ef":
-        hp["dense_steps"] = _dense_steps(cfg, total_steps)
-        hp["betas"] = cfg.betas or (0.9, 0.999)
+        hp["dense_steps"] = default_values.dense_steps_for(cfg.optimizer) \
+            if cfg.dense_steps is None else cfg.dense_steps
+        hp["betas"] = cfg.betas or default_values.BETAS
     return hp
-
-
-def _dense_steps(cfg: TrainConfig, total_steps: int | None) -> int:
-    """``cfg.dense_steps``, else :data:`DEFAULT_DENSE_STEPS` of the optimizer (0 if absent);
-    the 1-bit optimizers: 20% of the run (500 steps if unknown), at least 1."""
-    if cfg.dense_steps is not None:
-        return cfg.dense_steps
-    if cfg.optimizer in MOMENTUM_OPTIMIZERS:
-        return max(1, (total_steps or 500) // 5)
-    return DEFAULT_DENSE_STEPS.get(cfg.optimizer, 0)
 
 
 def _first(*values: Any) -> Any:

@@ -21,21 +21,8 @@ user script started by ``gradpress train ... -- python my_train.py`` gets the sa
     s.log_eval({"accuracy": acc}, primary="accuracy")
     s.finish(model)
 
-Optimizer mapping (``--optimizer``):
-
-1. ``clan``: :func:`gradpress.optim.clan` (LANS without gradient normalisation) wrapped in
-   ``DistributedOptimizer(compression, ef, dense_steps)``, as ``gp.CLAN``; ``lans``, ``lamb``
-   and ``adam`` (AdamW) likewise.
-2. ``sgd-ef``: dist-EF-SGDM (Zheng, Huang, Kwok 2019): SGD without its own momentum behind
-   ``DistributedOptimizer(momentum="nesterov")``; the worker-side momentum applies to every
-   tensor, also to those below ``min_compress_bytes`` that travel uncompressed.
-3. ``onebit-adam``: :class:`gradpress.optim.OneBitAdam`; gradients travel uncompressed for
-   ``dense_steps`` steps (``DistributedOptimizer(compression="bf16")``; fp32 when
-   ``--compression none``), then the optimizer
-   communicates its momentum with ``push_pull(m, compression=spec, ef)`` (the wrapper stops
-   pushing gradients once ``compression_active`` is true).
-4. ``onebit-lans``: :class:`gradpress.optim.OneBitLANS`, driven like ``onebit-adam``: the
-   algorithm of ``gp.OneBitLANS``.
+The optimizer (``--optimizer``) is built by :func:`gradpress.torch.builder.build_optimizer`,
+the builder of ``gp.CLAN`` and ``gp.OneBitLANS``: the same settings give the same optimizer.
 """
 
 from __future__ import annotations
@@ -52,7 +39,7 @@ import torch
 from torch import nn
 
 from ..compress.registry import ef_needs_lr
-from .config import MOMENTUM_OPTIMIZERS, TrainConfig
+from .config import TrainConfig
 from .guard import DivergenceGuard, TrainingDiverged
 from .hparams import lr_factor, resolve_hparams
 from .report import MetricsWriter, codec_ratios, print_plan, read_metrics
@@ -101,13 +88,7 @@ class Session:
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self._step_stage = dict.fromkeys(STAGES, 0.0)
         self._named: list[tuple[str, torch.Tensor]] = []
-        self._exact: frozenset[str] = frozenset()   # names that always travel uncompressed
-        self._exact_keys: set[str] = set()          # their 1-bit Adam/LANS momentum keys
-        self._auto = False                          # --uncompressed-params auto
-        self._auto_taken = False
         self._wrapper: Any = None
-        self._fusion: Any = None  # the Fuser of the small momenta (1-bit optimizers)
-        self._flat_names: list[str] = []
         self._created = self._t0 = self._last_t = time.perf_counter()
         self._last_stats = self._stats()
         self._started = False
@@ -136,134 +117,45 @@ class Session:
         return self.writer is not None
 
     # -- optimizer ------------------------------------------------------------------------------
-    def optimizer(self, model: nn.Module, **options: Any) -> torch.optim.Optimizer:
-        """The configured optimizer of ``model``, wrapped in ``gp.DistributedOptimizer``.
+    def optimizer(self, model: nn.Module, *, core: type | None = None,
+                  **options: Any) -> torch.optim.Optimizer:
+        """The configured optimizer of ``model``, built by
+        :func:`gradpress.torch.builder.build_optimizer` as ``gp.CLAN`` and ``gp.OneBitLANS``
+        build theirs (tensor names prefixed by the run's name, so runs can share a cluster).
 
-        ``options`` go to the optimizer's class as they are (for experiments, e.g.
-        ``variance="frozen"`` for :class:`gradpress.optim.OneBitLANS`); none by default.
+        ``core`` and ``options`` replace the optimizer's class and go to it as they are (the
+        convergence study's variants in ``benchmarks/``); none by default.
         """
-        import gradpress as gp
-        from gradpress.optim import weight_decay_groups
-        from gradpress.torch.optimizer import match_names
+        from ..torch.builder import build_optimizer
 
-        cfg, hp = self.cfg, self.hparams
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._named = [(f"{cfg.name}.{n}", p) for n, p in named]
-        self._auto = cfg.uncompressed_params == ("auto",)  # measured in the dense phase
-        exact = () if self._auto else match_names([n for n, _ in named],
-                                                  cfg.uncompressed_params, "--uncompressed-params")
-        self._exact = frozenset(f"{cfg.name}.{n}" for n in exact)
-        groups = weight_decay_groups(model.parameters(), hp["weight_decay"])
-        wrap: dict[str, Any] = {"compression": cfg.compression, "ef": cfg.effective_ef,
-                                "min_compress_bytes": cfg.min_compress_bytes,
-                                "dense_steps": hp.get("dense_steps", 0),
-                                "uncompressed_params": "auto" if self._auto
-                                else sorted(self._exact)}
-        opt = self._build(groups, wrap, options)
-        if cfg.optimizer in MOMENTUM_OPTIMIZERS:
-            opt.communicate = self._communicate_momentum
-            warm = self._dense_codec()  # bf16 unless nothing is compressed (as gp.OneBitLANS)
-            wrap = {"compression": warm or "none", "ef": "none",
-                    "min_compress_bytes": cfg.min_compress_bytes,
-                    "uncompressed_params": "auto" if self._auto else sorted(self._exact)}
-            # the momentum keys are positions in the optimizer's flat parameter order
-            names = {p: n for n, p in self._named}
-            flat = [p for g in opt.param_groups for p in g["params"]]
-            self._exact_keys = {str(i) for i, p in enumerate(flat) if names[p] in self._exact}
-            self._describe_momentum(opt)
-        self.set_lr(opt)  # records each group's peak lr; the first step's lr, before backward
-        self._wrapper = gp.DistributedOptimizer(opt, named_parameters=self._named, **wrap)
-        names_of = {p: n for n, p in self._named}
-        self._flat_names = [names_of.get(p, "") for g in opt.param_groups for p in g["params"]]
+        self._named = [(f"{self.cfg.name}.{n}", p) for n, p in model.named_parameters()
+                       if p.requires_grad]
+        self._wrapper = build_optimizer(self._named, self.optimizer_config(), core=core,
+                                        core_options=options)
+        self.set_lr(self._wrapper)  # each group's peak lr; the first step's lr, before backward
         return self._wrapper
 
-    def _measured_exact(self) -> None:
-        """``--uncompressed-params auto``: take the tensors the dense phase measured as exact
-        (decided at its end, the same on every worker) into the names and momentum keys."""
-        meter = getattr(self._wrapper, "_gp_meter", None) if self._auto else None
-        if meter is None or meter.result is None or self._auto_taken:
-            return
-        self._auto_taken = True
-        self._exact = frozenset(meter.result.exact)
-        self._exact_keys = {str(i) for i, n in enumerate(self._flat_names) if n in self._exact}
-
-    def _build(self, groups: list[dict[str, Any]], wrap: dict[str, Any],
-               options: Mapping[str, Any]) -> torch.optim.Optimizer:
-        """The optimizer of :meth:`optimizer` (steps 1-4 of the module docstring); ``sgd-ef``
-        puts its momentum into ``wrap``."""
-        from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS
+    def optimizer_config(self) -> Any:
+        """The :class:`~gradpress.torch.builder.OptimizerConfig` of this run: the config's
+        settings, the task's defaults where it gives none, :mod:`gradpress.defaults` for the
+        rest."""
+        from ..torch.builder import OptimizerConfig
 
         cfg, hp = self.cfg, self.hparams
-        kw = {"lr": hp["lr"], "weight_decay": hp["weight_decay"], **options}
+        listed = cfg.uncompressed_params
+        kw: dict[str, Any] = {"betas": hp["betas"]} if "betas" in hp else {}
         if cfg.optimizer == "sgd-ef":
-            mu = hp["momentum"]
-            if cfg.compressed:  # momentum before compression, on the workers (dist-EF-SGDM)
-                wrap.update(momentum="nesterov", mu=mu)
-                return torch.optim.SGD(groups, momentum=0.0, **kw)
-            # uncompressed: torch's Nesterov momentum is the same update
-            return torch.optim.SGD(groups, momentum=mu, nesterov=mu > 0, **kw)
-        kw["betas"] = hp["betas"]
-        if cfg.optimizer == "clan":  # what gradpress.optim.clan builds
-            return LANS(groups, normalize_grad=False, **kw)
-        if cfg.optimizer == "onebit-lans" and options.get("variance", "local") == "local":
-            kw.setdefault("blend", self._momentum_exact)  # as gp.OneBitLANS (step 3 there)
-        if cfg.optimizer in MOMENTUM_OPTIMIZERS:
-            cls = OneBitLANS if cfg.optimizer == "onebit-lans" else OneBitAdam
-            return cls(groups, dense_steps=hp["dense_steps"], **kw)
-        cls = {"lans": LANS, "lamb": LAMB, "adam": torch.optim.AdamW}[cfg.optimizer]
-        return cls(groups, **kw)
+            kw["momentum"] = hp["momentum"]
+        return OptimizerConfig(
+            method=cfg.optimizer, lr=hp["lr"], compression=cfg.compression, ef=cfg.ef,
+            dense_steps=hp.get("dense_steps"), weight_decay=hp["weight_decay"],
+            min_compress_bytes=cfg.min_compress_bytes,
+            uncompressed_params="auto" if listed == ("auto",) else listed, **kw)
 
-    def _describe_momentum(self, opt: torch.optim.Optimizer) -> None:
-        """Tell the optimizer's plan how :meth:`_communicate_momentum` pushes the momenta, and
-        build the fuser of the small ones (:mod:`gradpress.torch.fusion`)."""
-        from ..compress.spec import CodecSpec, parse_spec
-        from ..torch.fusion import momentum_fuser
-        from ..torch.plan import MomentumTraffic, set_momentum_traffic
-
-        cs, ef = parse_spec(self.cfg.compression), self.cfg.effective_ef
-        spec = CodecSpec(cs.name, dict(cs.params), {**cs.wrappers, **({"ef": ef} if ef else {})})
-        self._fusion = momentum_fuser(opt.param_groups, prefix=f"{self.cfg.name}.m.", spec=spec,
-                                      min_compress_bytes=self.cfg.min_compress_bytes)
-        set_momentum_traffic(opt, MomentumTraffic(
-            prefix=f"{self.cfg.name}.m.", compression=spec,
-            min_compress_bytes=self.cfg.min_compress_bytes,
-            exact_keys=frozenset(self._exact_keys), dense_compression=self._dense_codec()))
-
-    def _dense_codec(self) -> Any:
-        """The 1-bit optimizers' dense-phase codec (:func:`gradpress.torch.plan.dense_codec`)."""
-        from ..compress.spec import parse_spec
-        from ..torch.plan import dense_codec
-
-        return dense_codec(parse_spec(self.cfg.compression))
-
-    def _momentum_exact(self, i: int) -> bool:
-        """Whether every momentum arrives exact (fp32): then
-        :class:`~gradpress.optim.OneBitLANS` blends in the recovered gradient (step 4)."""
-        from ..compress.spec import parse_spec
-        from ..torch.plan import travels_exact
-
-        self._measured_exact()
-        spec = parse_spec(self.cfg.compression)
-        flat = [p for g in self._wrapper.param_groups for p in g["params"]]
-        return all(travels_exact(p.numel(), spec=spec, exact=str(j) in self._exact_keys,
-                                 min_compress_bytes=self.cfg.min_compress_bytes)
-                   for j, p in enumerate(flat))
-
-    def _communicate_momentum(self, key: str, m: torch.Tensor) -> Any:
-        """1-bit Adam's compression stage: compressed, error-fed push_pull of the momentum."""
-        import gradpress as gp
-        from gradpress.torch.optimizer import ALWAYS_EXACT
-
-        ef = self.cfg.effective_ef
-        self._measured_exact()
-        if self._fusion.fuses(f"{self.cfg.name}.m.{key}"):  # small: shares a fused key
-            return self._fusion.add(f"{self.cfg.name}.m.{key}", m)
-        exact = key in self._exact_keys  # named tensors travel as small tensors do
-        return gp.push_pull_async(m, name=f"{self.cfg.name}.m.{key}", average=True,
-                                  compression=self.cfg.compression, ef=ef,
-                                  lr=self._lr if ef_needs_lr(ef) else None,
-                                  min_compress_bytes=ALWAYS_EXACT if exact
-                                  else self.cfg.min_compress_bytes)
+    def _exact_names(self) -> frozenset[str]:
+        """The tensors that travel exact: those named, and those the dense phase measured."""
+        w = self._wrapper
+        return frozenset(n for p, n in w._gp_names.items() if p in w._gp_dense)
 
     # -- stepping -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -295,12 +187,11 @@ class Session:
             from ..optim import kernels
 
             kernels.warm()  # the layer-wise optimizers' fused kernel (numba)
-            n = max(1024, self.cfg.min_compress_bytes // 4)
-            x = torch.linspace(-1.0, 1.0, n)
+            x = torch.linspace(-1.0, 1.0, 1024)
             ef = self.cfg.effective_ef
             gp.push_pull(x, name=f"{self.cfg.name}.warmup", compression=self.cfg.compression,
                          ef=ef, lr=self.hparams["lr"] if ef_needs_lr(ef) else None,
-                         min_compress_bytes=self.cfg.min_compress_bytes)
+                         min_compress_bytes=0)
         self._started = True
         self._t0 = self._last_t = time.perf_counter()
         self.setup_s = self._t0 - self._created
@@ -438,13 +329,12 @@ class Session:
                "setup_s": self.setup_s,
                "stages_s": {f"{k}_s": v for k, v in self.stage_s.items()},
                "replicas_identical": same, **extra}
-        self._measured_exact()
         if self._named:  # in the optimizer's order, small tensors fused as they were pushed
             pushed = [(n, p) for p, n in self._wrapper._gp_names.items() if p.requires_grad]
             cap = 0 if has_worker_momentum(self._wrapper._gp_spec) else api.config().fusion_cap
-            rec["codec"] = codec_ratios(pushed, self.cfg.compression,
-                                        self.cfg.min_compress_bytes, api.config().partition_bytes,
-                                        exact=self._exact, fusion_bytes=cap)
+            rec["codec"] = codec_ratios(pushed, self.cfg.compression, self._wrapper._gp_min_bytes,
+                                        api.config().partition_bytes,
+                                        exact=self._exact_names(), fusion_bytes=cap)
             rec["params"] = sum(p.numel() for _, p in self._named)
         self._record(rec)
         self.close_tensorboard()
