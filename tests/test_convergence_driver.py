@@ -67,17 +67,19 @@ def test_unknown_codec_is_an_error(tmp_path: Path) -> None:
 
 
 def test_dense_steps_option() -> None:
-    from gradpress.train.config import DEFAULT_DENSE_STEPS, TrainConfig
+    from gradpress.defaults import DENSE_STEPS
+    from gradpress.train.config import TrainConfig
     from gradpress.train.hparams import resolve_hparams
 
     cfg = TrainConfig(task="stdlib-mlm", compression="onebit", optimizer="clan")
     hp = resolve_hparams(cfg, _Defaults(), 200)
-    assert hp["dense_steps"] == DEFAULT_DENSE_STEPS["clan"] == 100
+    assert hp["dense_steps"] == DENSE_STEPS == 100
     assert resolve_hparams(cfg.replace(dense_steps=0), _Defaults(), 200)["dense_steps"] == 0
     assert resolve_hparams(cfg.replace(optimizer="lans"), _Defaults(), 200)["dense_steps"] == 0
-    # the 1-bit optimizers: 20% of the run unless given
-    assert resolve_hparams(cfg.replace(optimizer="onebit-lans"), _Defaults(), 200)[
-        "dense_steps"] == 40
+    # the 1-bit optimizers: the factories' default, whatever the run's length
+    for steps in (200, 5000):
+        assert resolve_hparams(cfg.replace(optimizer="onebit-lans"), _Defaults(), steps)[
+            "dense_steps"] == DENSE_STEPS
     assert "dense_steps" not in resolve_hparams(cfg.replace(optimizer="sgd-ef"), _Defaults(),
                                                 200)
     with pytest.raises(ValueError, match="dense_steps"):

@@ -10,7 +10,7 @@ lists them for users.
 from __future__ import annotations
 
 __all__ = [
-    "COMPRESSION", "EF", "MOMENTUM_EF", "DENSE_STEPS", "WRAPPER_DENSE_STEPS",
+    "COMPRESSION", "WRAPPER_COMPRESSION", "EF", "MOMENTUM_EF", "DENSE_STEPS", "WRAPPER_DENSE_STEPS",
     "MIN_COMPRESS_BYTES", "UNCOMPRESSED_PARAMS", "WEIGHT_DECAY", "BETAS", "EPS", "SGD_MOMENTUM",
     "HOOK_MIN_COMPRESS_BYTES", "dense_steps_for", "ef_for",
 ]
@@ -23,6 +23,9 @@ EF = "vanilla"
 #: For the methods that send their momentum: it already carries the past, so the workers'
 #: residuals decay by 0.8 a step; the servers' are kept until sent.
 MOMENTUM_EF = "vanilla:decay=0.8,server_decay=1.0"
+#: ``gp.DistributedOptimizer``: wrapping an optimizer changes nothing until a codec is named,
+#: as Horovod's.
+WRAPPER_COMPRESSION = "none"
 #: The adaptive methods' uncompressed opening steps: their second moment settles on dense
 #: gradients before compression starts.
 DENSE_STEPS = 100

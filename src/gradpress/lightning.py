@@ -40,7 +40,7 @@ except ImportError as _e:  # pragma: no cover - exercised without lightning inst
     raise ImportError('gradpress.lightning needs PyTorch Lightning (the `lightning` package): '
                       'pip install "gradpress[lightning]"') from _e
 
-from . import api
+from . import api, defaults
 from .compress.spec import CodecSpec, EFSpec
 from .ddp_hook import TwoWayCompressionState, two_way_compression_hook
 from .torch.broadcast import broadcast_parameters
@@ -215,8 +215,8 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
     """Lightning on gradpress's parameter servers: gradients averaged by ``push_pull``, no DDP.
 
     The LightningModule is unchanged. The arguments mirror :func:`gradpress.DistributedOptimizer`
-    (``compression`` default ``"onebit"``, ``ef`` default ``"vanilla"``, ``min_compress_bytes``
-    default 1 MiB); ``init`` holds :func:`gradpress.init` overrides (``PSConfig`` fields, e.g.
+    with the defaults of :mod:`gradpress.defaults` (``compression="onebit"``, ``ef="vanilla"``,
+    ``min_compress_bytes="auto"``, no dense steps); ``init`` holds :func:`gradpress.init` overrides (``PSConfig`` fields, e.g.
     ``{"timeout": 60}``); the other keywords are ``DDPStrategy``'s (``accelerator``,
     ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
     ``start_method``). Servers are colocated: one engine per worker, as under torchrun. Steps:
@@ -240,11 +240,12 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
 
     _KIND = "parameter_server"
 
-    def __init__(self, compression: str | Mapping[str, Any] | CodecSpec | None = "onebit",
-                 ef: str | EFSpec | None = "vanilla", *, momentum: str | None = None,
-                 mu: float = 0.9, min_compress_bytes: int | str | None = 1 << 20,
-                 dense_steps: int = 0, nan_policy: str = "raise",
-                 uncompressed_params: Iterable[str] | str = (),
+    def __init__(self, compression: str | Mapping[str, Any] | CodecSpec | None
+                 = defaults.COMPRESSION, ef: str | EFSpec | None = defaults.EF, *,
+                 momentum: str | None = None, mu: float = defaults.SGD_MOMENTUM,
+                 min_compress_bytes: int | str | None = defaults.MIN_COMPRESS_BYTES,
+                 dense_steps: int = defaults.WRAPPER_DENSE_STEPS, nan_policy: str = "raise",
+                 uncompressed_params: Iterable[str] | str = defaults.UNCOMPRESSED_PARAMS,
                  init: Mapping[str, Any] | None = None, log_stats: bool = True,
                  **kwargs: Any) -> None:
         for bad in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper",

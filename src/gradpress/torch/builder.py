@@ -84,8 +84,9 @@ class OptimizerConfig:
             raise ValueError(f"dense_steps is not for sgd-ef (its momentum runs on the "
                              f"compressed gradients from the first step), got {d}")
         if isinstance(self.uncompressed_params, str) and self.uncompressed_params != "auto":
-            raise TypeError(f"uncompressed_params must be 'auto' or a sequence of names, got "
-                            f"the string {self.uncompressed_params!r}")
+            raise TypeError(f"uncompressed_params must be 'auto' or a collection of names or "
+                            f"patterns, got the string {self.uncompressed_params!r}; write "
+                            f"[{self.uncompressed_params!r}]")
         if not isinstance(self.uncompressed_params, str):
             object.__setattr__(self, "uncompressed_params", tuple(self.uncompressed_params))
         self.spec  # noqa: B018  (builds the codec once: an invalid spec is a ValueError now)

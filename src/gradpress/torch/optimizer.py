@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .. import defaults
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from ._names import _param_names, match_names
 from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
@@ -61,13 +62,14 @@ ALWAYS_EXACT = 1 << 62
 
 def DistributedOptimizer(  # noqa: N802  (factory named like the class it returns, as Horovod's)
         optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None = None,
-        compression: str | Mapping[str, Any] | CodecSpec | None = "none",
+        compression: str | Mapping[str, Any] | CodecSpec | None = defaults.WRAPPER_COMPRESSION,
         ef: str | EFSpec | None = None,
         momentum: str | None = None, mu: float = 0.9,
-        min_compress_bytes: int | str | None = 1 << 20,
+        min_compress_bytes: int | str | None = defaults.MIN_COMPRESS_BYTES,
         backward_passes_per_step: int = 1, nan_policy: str = "raise",
-        dense_steps: int = 0,
-        uncompressed_params: Iterable[str] | str = ()) -> torch.optim.Optimizer:
+        dense_steps: int = defaults.WRAPPER_DENSE_STEPS,
+        uncompressed_params: Iterable[str] | str = defaults.UNCOMPRESSED_PARAMS
+        ) -> torch.optim.Optimizer:
     """Return ``optimizer`` turned into a distributed one (same class name, a subclass of it).
 
     Args:
@@ -84,7 +86,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         mu: that momentum's coefficient.
         min_compress_bytes: gradients smaller than this travel uncompressed (exact), packed
             into fused keys (``GRADPRESS_FUSION_BYTES``, :mod:`gradpress.torch.fusion`).
-            ``"auto"``: the largest tensors holding 95% of the bytes are compressed
+            Default ``"auto"``: the largest tensors holding 95% of the bytes are compressed,
+            and every tensor of 1 MiB or more
             (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
         backward_passes_per_step: gradients accumulate locally over this many backward passes
             before one push_pull (not divided: scale the loss if you want a mean).
@@ -99,7 +102,9 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             usual candidate: small in a large model, but one-bit compression of it can delay a
             transformer's use of context (``docs/guide.md``). ``"auto"``: measured instead,
             during the ``dense_steps``: tensors whose gradients agree little across workers
-            travel exact (:mod:`gradpress.torch.agreement`).
+            travel exact (:mod:`gradpress.torch.agreement`). Default ``"auto"`` (without dense
+            steps there is nothing to measure: every tensor above ``min_compress_bytes`` is
+            compressed).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "

@@ -121,8 +121,9 @@ def _launch(runs: Sequence[TrainConfig], plan: Path, script: tuple[str, ...] = (
     env = {CONFIG_ENV: str(plan)}
     if script:  # plain push_pull calls of the script pick these up as defaults
         env.update({"GRADPRESS_COMPRESSION": first.compression,
-                    "GRADPRESS_EF": first.effective_ef or "",
-                    "GRADPRESS_MIN_COMPRESS_BYTES": str(first.min_compress_bytes)})
+                    "GRADPRESS_EF": first.effective_ef or ""})
+        if first.min_compress_bytes != "auto":  # "auto" is the optimizers' (model sizes)
+            env["GRADPRESS_MIN_COMPRESS_BYTES"] = str(first.min_compress_bytes)
     command = script or (sys.executable, "-m", "gradpress.train.worker", "--plan", str(plan))
     if bandwidth is not None:
         return launch_limited(bandwidth, command, first.workers, first.servers, env)

@@ -26,6 +26,7 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None),
                            default_values.SGD_MOMENTUM),
         "schedule": cfg.schedule, "total_steps": total_steps,
+        "ef": cfg.effective_ef or "none",  # the method's own when the config gives none
     }
     if cfg.optimizer != "sgd-ef":
         hp["dense_steps"] = default_values.dense_steps_for(cfg.optimizer) \

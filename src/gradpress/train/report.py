@@ -312,7 +312,8 @@ def format_run(rep: Mapping[str, Any]) -> str:
     cfg = rep.get("config") or {}
     lines = [f"run {rep['run']} ({rep['status']}): task {cfg.get('task') or 'script'}, "
              f"optimizer {cfg.get('optimizer', '?')}, compression {cfg.get('compression', '?')}"
-             f", ef {cfg.get('ef', '?')}, lr {(rep.get('hparams') or {}).get('lr', '?')}"]
+             f", ef {(rep.get('hparams') or {}).get('ef', cfg.get('ef', '?'))}, "
+             f"lr {(rep.get('hparams') or {}).get('lr', '?')}"]
     if "metric" in rep:
         others = ", ".join(f"{k} {v:.4f}" for k, v in rep["final_eval"].items()
                            if k != rep["metric"]["name"])

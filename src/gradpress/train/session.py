@@ -130,19 +130,24 @@ class Session:
 
         self._named = [(f"{self.cfg.name}.{n}", p) for n, p in model.named_parameters()
                        if p.requires_grad]
-        self._wrapper = build_optimizer(self._named, self.optimizer_config(), core=core,
+        self._wrapper = build_optimizer(self._named, self._optimizer_config(), core=core,
                                         core_options=options)
         self.set_lr(self._wrapper)  # each group's peak lr; the first step's lr, before backward
         return self._wrapper
 
-    def optimizer_config(self) -> Any:
-        """The :class:`~gradpress.torch.builder.OptimizerConfig` of this run: the config's
-        settings, the task's defaults where it gives none, :mod:`gradpress.defaults` for the
-        rest."""
+    def _optimizer_config(self) -> Any:
+        """The :class:`~gradpress.torch.builder.OptimizerConfig` of this run over
+        ``self._named``: the config's settings, the task's defaults where it gives none,
+        :mod:`gradpress.defaults` for the rest."""
         from ..torch.builder import OptimizerConfig
+        from ..torch.optimizer import match_names
 
         cfg, hp = self.cfg, self.hparams
-        listed = cfg.uncompressed_params
+        listed: Any = "auto"
+        if cfg.uncompressed_params != ("auto",):  # the names as the user wrote them, prefixed
+            named = [n[len(cfg.name) + 1:] for n, _ in self._named]
+            listed = [f"{cfg.name}.{n}" for n in sorted(
+                match_names(named, cfg.uncompressed_params, "--uncompressed-params"))]
         kw: dict[str, Any] = {"betas": hp["betas"]} if "betas" in hp else {}
         if cfg.optimizer == "sgd-ef":
             kw["momentum"] = hp["momentum"]
@@ -150,7 +155,7 @@ class Session:
             method=cfg.optimizer, lr=hp["lr"], compression=cfg.compression, ef=cfg.ef,
             dense_steps=hp.get("dense_steps"), weight_decay=hp["weight_decay"],
             min_compress_bytes=cfg.min_compress_bytes,
-            uncompressed_params="auto" if listed == ("auto",) else listed, **kw)
+            uncompressed_params=listed, **kw)
 
     def _exact_names(self) -> frozenset[str]:
         """The tensors that travel exact: those named, and those the dense phase measured."""
