@@ -17,7 +17,7 @@ import torch
 
 import gradpress.torch.broadcast as bc
 from gradpress import checkpoint as ck
-from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANS, clan
+from gradpress.optim import LAMB, LANS, OneBitAdam, OneBitLANSCore, clan_core
 from gradpress.torch.broadcast import (
     broadcast_optimizer_state,
     host_pickle,
@@ -61,9 +61,9 @@ def _optimizers() -> list[tuple[str, Any]]:
         ("LANS", lambda ps: LANS(ps, lr=1e-2, fused=False)),
         ("LANS-fused", lambda ps: LANS(ps, lr=1e-2)),
         ("LAMB", lambda ps: LAMB(ps, lr=1e-2)),
-        ("clan", lambda ps: clan(ps, lr=1e-2)),
+        ("clan", lambda ps: clan_core(ps, lr=1e-2)),
         ("OneBitAdam", lambda ps: OneBitAdam(ps, lr=1e-2, dense_steps=2)),
-        ("OneBitLANS", lambda ps: OneBitLANS(ps, lr=1e-2, dense_steps=2)),
+        ("OneBitLANSCore", lambda ps: OneBitLANSCore(ps, lr=1e-2, dense_steps=2)),
         ("Adam", lambda ps: torch.optim.Adam(ps, lr=1e-2)),
         ("SGD-momentum", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)),
     ]

@@ -100,7 +100,8 @@ class TrainConfig:
     batch_size: int | None = option(None, "per-worker batch size (default: the task's)",
                                     metavar="N")
     weight_decay: float | None = option(None, "decoupled weight decay, not on biases and "
-                                              "normalisation weights (default: the task's)",
+                                              "normalisation weights (default: the task's; "
+                                              f"{defaults.WEIGHT_DECAY} with a script)",
                                         metavar="WD")
     warmup_steps: int | None = option(None, "linear learning-rate warm-up steps (default: the "
                                             "task's)", metavar="N")

@@ -21,7 +21,8 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         raise ValueError("TrainConfig.lr is required without a bundled task (give --lr)")
     hp = {
         "lr": cfg.lr if cfg.lr is not None else defaults.lr_for(family),
-        "weight_decay": _first(cfg.weight_decay, getattr(defaults, "weight_decay", None), 0.0),
+        "weight_decay": _first(cfg.weight_decay, getattr(defaults, "weight_decay", None),
+                               default_values.WEIGHT_DECAY),
         "warmup_steps": _first(cfg.warmup_steps, getattr(defaults, "warmup_steps", None), 0),
         "momentum": _first(cfg.momentum, getattr(defaults, "momentum", None),
                            default_values.SGD_MOMENTUM),
