@@ -128,3 +128,30 @@ def test_onebit_lans_session_blends_and_warms_by_the_runs_compression(
     # (the last dense step also pushes the agreement measure of uncompressed_params="auto")
     assert got["pushed"][0] == got["dense_bytes"] <= got["pushed"][1] < got["dense_bytes"] + 256
     assert (got["dense_bytes"] < fp32) == (codec == "bf16")
+
+
+SWAP_SCRIPT = START + textwrap.dedent('''
+    s.start()
+    opt.zero_grad()
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(gp.rank()))
+    torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long()).backward()
+    s.step(opt)
+    if sys.argv[1] == "swap" and gp.rank() == 1:
+        with torch.no_grad():  # two elements trade places: every sum and norm stays the same
+            w = model[0].weight.view(-1)
+            w[:2] = w[:2].flip(0).clone()
+    s.finish(model)
+    gp.shutdown()
+''')
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_replica_check_compares_parameter_hashes(tmp_path: Path, swap: bool) -> None:
+    script, out = tmp_path / "swap.py", tmp_path / "run"
+    script.write_text(SWAP_SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "gradpress.cli", "train", "--lr", "0.01",
+                        "--steps", "1", "--no-progress", "--out", str(out), "--",
+                        sys.executable, str(script), "swap" if swap else "same"],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert json.loads((out / "report.json").read_text())["replicas_identical"] is not swap
