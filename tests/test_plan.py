@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import gradpress as gp
-from gradpress.tasks import get_task
-from gradpress.torch.agreement import auto_min_compress_bytes
 from gradpress.compress import build
 from gradpress.compress.spec import CodecSpec
+from gradpress.tasks import get_task
+from gradpress.torch.agreement import auto_min_compress_bytes
 from gradpress.torch.plan import Decision, Plan, TensorPlan, plan_rows
 
 
