@@ -216,8 +216,8 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
 
     The LightningModule is unchanged. The arguments mirror :func:`gradpress.DistributedOptimizer`
     with the defaults of :mod:`gradpress.defaults` (``compression="onebit"``, ``ef="vanilla"``,
-    ``min_compress_bytes="auto"``, no dense steps); ``init`` holds :func:`gradpress.init` overrides (``PSConfig`` fields, e.g.
-    ``{"timeout": 60}``); the other keywords are ``DDPStrategy``'s (``accelerator``,
+    ``min_compress_bytes="auto"``, no dense steps); ``init`` holds :func:`gradpress.init`
+    overrides (``PSConfig`` fields, e.g. ``{"timeout": 60}``); the other keywords are ``DDPStrategy``'s (``accelerator``,
     ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
     ``start_method``). Servers are colocated: one engine per worker, as under torchrun. Steps:
 
