@@ -214,12 +214,13 @@ def _track_step_calls(opt: torch.optim.Optimizer) -> None:
 class ParameterServerStrategy(_StatsLogging, DDPStrategy):
     """Lightning on gradpress's parameter servers: gradients averaged by ``push_pull``, no DDP.
 
-    The LightningModule is unchanged. The arguments mirror :func:`gradpress.DistributedOptimizer`
-    with the defaults of :mod:`gradpress.defaults` (``compression="onebit"``, ``ef="vanilla"``,
-    ``min_compress_bytes="auto"``, no dense steps); ``init`` holds :func:`gradpress.init`
-    overrides (``PSConfig`` fields, e.g. ``{"timeout": 60}``); the other keywords are
-    ``DDPStrategy``'s (``accelerator``, ``parallel_devices``, ``cluster_environment``,
-    ``checkpoint_io``, ``precision_plugin``, ``start_method``). Servers are colocated: one engine per worker, as under torchrun. Steps:
+    The LightningModule is unchanged. The arguments mirror
+    :func:`gradpress.DistributedOptimizer` with the defaults of :mod:`gradpress.defaults`
+    (``compression="onebit"``, ``ef="vanilla"``, ``min_compress_bytes="auto"``, no dense steps);
+    ``init`` holds :func:`gradpress.init` overrides (``PSConfig`` fields, e.g. ``{"timeout":
+    60}``); the other keywords are ``DDPStrategy``'s (``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``start_method``). Servers
+    are colocated: one engine per worker, as under torchrun. Steps:
 
     1. ``setup_environment``: sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
        ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` from Lightning's cluster
