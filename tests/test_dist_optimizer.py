@@ -59,7 +59,8 @@ WORKER = textwrap.dedent('''
     res["none"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     # 1b. worker-side Nesterov momentum on tensors small enough to travel uncompressed
     m, _ = train("mom", 4, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-                 compression="onebit", ef="vanilla", momentum="nesterov", mu=0.9)
+                 compression="onebit", ef="vanilla", momentum="nesterov", mu=0.9,
+                 min_compress_bytes=1 << 20)
     res["momentum_small"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     # 2. every codec with error feedback: replicas must be bit-identical
     for spec in CODECS:
@@ -109,7 +110,8 @@ WORKER = textwrap.dedent('''
     # 3. gradient accumulation: one push_pull per parameter per step, not per backward pass
     model = net(3)
     opt = gp.DistributedOptimizer(sgd(model), named_parameters=[
-        (f"acc.{n}", p) for n, p in model.named_parameters()], backward_passes_per_step=2)
+        (f"acc.{n}", p) for n, p in model.named_parameters()], backward_passes_per_step=2,
+        min_compress_bytes=1 << 20)
     before = gp.stats()["steps"]
     for step in range(2):
         for micro in range(2):
@@ -159,7 +161,7 @@ WORKER = textwrap.dedent('''
                  dense_steps=4)
     res["warmup_all"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     m, _ = train("wu2", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
-                 dense_steps=2)
+                 dense_steps=2, uncompressed_params=())
     res["warmup_half"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     # 8. uncompressed_params: the named tensors travel exactly, the others compressed
     m, _ = train("ex", 4, sgd, compression="onebit", ef="vanilla", min_compress_bytes=0,
@@ -293,8 +295,7 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     first = 12 * 40 + 40  # layer 0 is exact after one step, layer 2 was compressed
     assert torch.equal(w0["exact_first"][:first], w0["none_1step"][:first])
     assert not torch.equal(w0["exact_first"][first:], w0["none_1step"][first:])
-    # 2 steps x 1 push: the 4 parameter tensors are small (below the default 1 MiB) and share
-    # one fused key
+    # 2 steps x 1 push: the 4 parameter tensors are small (below 1 MiB) and share one fused key
     assert int(w0["acc_pushes"]) == 2 * 1
     assert torch.equal(w0["unused"], torch.ones(5))  # zero gradient pushed, SGD left it alone
     assert w0["amp_skipped"].tolist() == [False, True, False]

@@ -221,7 +221,8 @@ WORKER = textwrap.dedent('''
         if kind == "dist":
             opt = gp.DistributedOptimizer(
                 torch.optim.Adam(m.parameters(), lr=1e-2), named, compression="onebit",
-                ef="vanilla", min_compress_bytes=2048, dense_steps=1, nan_policy="skip")
+                ef="vanilla", min_compress_bytes=2048, dense_steps=1, nan_policy="skip",
+                uncompressed_params=())
         else:
             opt = gp.OneBitLANS(named, lr=1e-2, compression="onebit", dense_steps=1,
                                 min_compress_bytes=2048, uncompressed_params=())

@@ -59,7 +59,6 @@ CONFIGS = [
     (LANS, {"weight_decay": 0.0}),
     (LANS, {"normalize_grad": False}),                          # CLAN
     (LANS, {"normalize_grad": False, "weight_decay": 0.0}),
-    (LANS, {"normalize_grad": False, "freeze_variance_after": 7}),        # CLAN, v frozen mid-run
     (LANS, {"betas": (0.3, 0.99), "max_trust": 0.5}),           # lerp weight >= 0.5
     (LANS, {"min_trust": 2.0, "max_trust": 3.0, "eps": 1e-4}),
     (LAMB, {}),

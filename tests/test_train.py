@@ -82,7 +82,11 @@ def test_config_round_trip_and_defaults() -> None:
                       uncompressed_params=("conv1.*",))
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.effective_ef == "vanilla"
-    assert TrainConfig(task="digits-cnn").effective_ef is None  # uncompressed: no residuals
+    # the optimizer's default error feedback; none when uncompressed
+    assert TrainConfig(task="digits-cnn").effective_ef == "vanilla"
+    assert TrainConfig(task="digits-cnn", optimizer="onebit-lans").effective_ef == \
+        "vanilla:decay=0.8,server_decay=1.0"
+    assert TrainConfig(task="digits-cnn", compression="none").effective_ef is None
     spec = "vanilla:decay=0.8,server_decay=1.0,anneal=1"
     assert TrainConfig(task="digits-cnn", compression="onebit", ef=spec).effective_ef == spec
     assert TrainConfig(task="digits-cnn", compression="onebit", ef="none").effective_ef is None
@@ -100,11 +104,11 @@ def test_options_make_the_config() -> None:
     cfg = _train_config(_train_args(["--task", "stdlib-mlm", "--compression", "onebit",
                                      "--optimizer", "onebit-lans", "--ef",
                                      "vanilla:decay=0.8,server_decay=1,anneal=1",
-                                     "--dense-steps", "160", "--betas", "0.95", "0.99",
+                                     "--dense-steps", "160",
                                      "--uncompressed-params", "pos.weight", "--no-progress"]))
     assert cfg.effective_ef == "vanilla:decay=0.8,server_decay=1,anneal=1"
-    assert (cfg.dense_steps, cfg.betas, cfg.uncompressed_params, cfg.progress) == (
-        160, (0.95, 0.99), ("pos.weight",), False)
+    assert (cfg.dense_steps, cfg.uncompressed_params, cfg.progress) == (
+        160, ("pos.weight",), False)
     default = _train_config(_train_args(["--task", "stdlib-mlm"]))
     assert default == TrainConfig(task="stdlib-mlm")   # the parser's defaults are the fields'
     script = _train_config(_train_args(["--lr", "0.1", "--", "python", "x.py", "--y"]))
@@ -117,11 +121,11 @@ def _help_options() -> list[str]:
             if line.startswith("  -")]
 
 
-def test_train_help_lists_at_most_29_options_including_help() -> None:
-    # 26: --tensorboard/--no-tensorboard (one line) joined the 25; 29: --checkpoint-every,
-    # --resume and --max-restarts (issue 29, surviving failures)
+def test_train_help_lists_at_most_25_options_including_help() -> None:
+    # issue 39: --name, --betas, --momentum and --min-compress-bytes are config fields only
     opts = _help_options()
-    assert "-h" in opts and len(opts) <= 29, opts
+    assert "-h" in opts and len(opts) <= 25, opts
+    assert not {"--name", "--betas", "--momentum", "--min-compress-bytes"} & set(opts)
 
 
 def test_train_parser_is_generated_from_the_config_fields() -> None:
@@ -129,8 +133,10 @@ def test_train_parser_is_generated_from_the_config_fields() -> None:
 
     from gradpress.train.options import flag_of, option_fields
 
-    fields = dataclasses.fields(TrainConfig)
-    assert option_fields(TrainConfig) == list(fields)   # every field is an option
+    # every field is an option but those only Python sets (documented where they are declared)
+    python_only = {"name", "momentum", "betas", "min_compress_bytes"}
+    fields = [f for f in dataclasses.fields(TrainConfig) if f.name not in python_only]
+    assert option_fields(TrainConfig) == fields
     opts = set(_help_options())
     for f in fields:
         meta = f.metadata["option"]
@@ -279,7 +285,7 @@ def test_script_mode_run_directory(tmp_path: Path) -> None:
                             "0.01", "--steps", "4", "--out", str(out), "--", sys.executable,
                             str(script)), capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "compression ratio, compressed tensors (1 of 4" in p.stdout
+    assert "compression ratio, compressed tensors (2 of 4" in p.stdout
     assert {"config.json", "metrics.jsonl", "report.json", *PLOTS} <= set(os.listdir(out))
     rep = json.loads((out / "report.json").read_text())
     assert rep["status"] == "completed" and rep["steps"] == 4

@@ -202,11 +202,13 @@ def _momentum_optimizer(named: list[tuple[str, Any]], groups: list[dict[str, Any
     wrapper = DistributedOptimizer(opt, named_parameters=named, compression=warm or "none",
                                    ef="none", min_compress_bytes=limit,
                                    uncompressed_params=_listed(listed))
-    route.wrapper = wrapper
+    # From here on the wrapper is the optimizer: its state is the one that steps and that
+    # load_state_dict replaces (the core's dict would be left behind at a resume).
+    route.wrapper = route.opt = wrapper
     meter = getattr(wrapper, "_gp_meter", None)
     if meter is not None and getattr(opt, "hold_idle_rows", False) is not False:
         # the core holds the idle rows of these: compress them whatever they agree
-        meter.held = lambda: [n for n, p in named if has_idle_rows(opt.state[p])]
+        meter.held = lambda: [n for n, p in named if has_idle_rows(wrapper.state[p])]
     return wrapper
 
 
