@@ -189,7 +189,7 @@ def test_missing_or_failed_runs_are_incomplete(tg: ModuleType, tmp_path: Path) -
     _report(base.out, "val_loss", 2.0, status="failed")
     assert tg.evaluate(t, tmp_path).done == 4
     assert tg.row(tg.evaluate(_target(tg, "none-lm"), tmp_path))[5:] == [
-        "0/6", "-", "-", "-", "-", "incomplete"]
+        "0/6", "-", "-", "-", "-", "not run"]
 
 
 def test_accuracy_gap_in_points(tg: ModuleType, tmp_path: Path) -> None:
@@ -231,7 +231,7 @@ def test_write_adds_then_replaces_the_table(tg: ModuleType, tmp_path: Path,
     assert table["columns"] == tg.COLUMNS and len(table["rows"]) == len(tg.TARGETS)
     status = {r[0]: r[-1] for r in table["rows"]}
     assert status.pop("onebit-mlm-800") == "met"
-    assert set(status.values()) == {"incomplete"}  # never dropped
+    assert set(status.values()) == {"not run"}  # never dropped
     assert table["commands"][0] == f"python benchmarks/targets.py --out {out} --write"
     assert "onebit-mlm-800 9.00x (meets 8x)" in table["notes"] and table["date"]
     text = page.read_text()
