@@ -349,12 +349,18 @@ def results_table(outcomes: Sequence[Outcome], argv: Sequence[str], out: Path) -
 
 
 def write(table: Mapping[str, Any], results: Path, page: Path) -> None:
-    """Step 4: replace (or add first) the table in ``results/accuracy.json``; render ``page``."""
+    """Step 4: replace (or add first) the table in ``results/accuracy.json``, keeping the rows
+    of the targets this run did not evaluate (other tables reference them); render ``page``."""
     path = results / RESULTS_FILE
     data = json.loads(path.read_text())
     ids = [t["id"] for t in data["tables"]]
     if TABLE_ID in ids:
-        data["tables"][ids.index(TABLE_ID)] = dict(table)
+        rows = {r[0]: r for r in data["tables"][ids.index(TABLE_ID)]["rows"]}
+        rows.update({r[0]: r for r in table["rows"]})
+        order = [t.name for t in TARGETS]
+        merged = sorted(rows.values(), key=lambda r: order.index(r[0]) if r[0] in order
+                        else len(order))
+        data["tables"][ids.index(TABLE_ID)] = {**table, "rows": merged}
     else:
         data["tables"].insert(0, dict(table))
     path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
