@@ -13,8 +13,8 @@ everything between the two markers is rewritten from :data:`BLOCKS`:
   with its result: met, not met, incomplete or not run.
 
 No figure is computed here: each is a string of a record, or a number of a report formatted
-as the run printed it. The records are refreshed by the commands in each block's
-:data:`COMMANDS` entry (``benchmarks/record.py``).
+as the run printed it. The records are refreshed by ``python benchmarks/results_md.py --rerun
+NAME`` (the command of :data:`COMMANDS` through ``benchmarks/record.py``, then the rendering).
 """
 
 from __future__ import annotations
@@ -29,15 +29,19 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benchmarks" / "results" / "records"
 README = ROOT / "README.md"
 
-#: The command that refreshes each block's record (then ``python benchmarks/results_md.py``).
+#: The command of each record behind a block (``python benchmarks/results_md.py --rerun NAME``
+#: runs it through ``record.py``; ``{out}`` is the record's directory).
 COMMANDS = {
-    "plan": "python benchmarks/record.py plan-stdlib-mlm --keep '*.json' -- gradpress train "
-            "--optimizer onebit-lans --compression onebit --lr 0.01 --steps 120 --seed 0 "
-            "--no-progress --out {out} -- python benchmarks/clan_script.py --task stdlib-mlm "
-            "--compression onebit",
-    "demo": "python benchmarks/record.py demo-100mbit --keep '*.json' -- gradpress demo "
-            "--bandwidth 100mbit --no-progress --out {out}",
+    "plan-stdlib-mlm": ["gradpress", "train", "--optimizer", "onebit-lans", "--compression",
+                        "onebit", "--lr", "0.01", "--steps", "120", "--seed", "0",
+                        "--no-progress", "--out", "{out}", "--", "python",
+                        "benchmarks/clan_script.py", "--task", "stdlib-mlm", "--compression",
+                        "onebit"],
+    "demo-100mbit": ["gradpress", "demo", "--bandwidth", "100mbit", "--no-progress", "--out",
+                     "{out}"],
 }
+#: What a record keeps of its run's directory (reports; not plots, metrics or checkpoints).
+KEEP = ["*.json"]
 
 
 def read_record(name: str, records: Path = RECORDS) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -46,7 +50,8 @@ def read_record(name: str, records: Path = RECORDS) -> tuple[dict[str, Any], dic
     out = []
     for f in ("record.json", "report.json"):
         if not (d / f).is_file():
-            raise ValueError(f"no record {d / f} (make it with: {COMMANDS.get(name, '?')})")
+            raise ValueError(f"no record {d / f} (make it with: python "
+                             f"benchmarks/results_md.py --rerun {name})")
         out.append(json.loads((d / f).read_text()))
     rec, report = out
     for key in ("command", "commit", "machine"):

@@ -8,7 +8,8 @@ Steps:
 
 1. ``benchmarks/results/records/NAME/`` is emptied and created; every ``{out}`` in CMD is
    replaced by that directory (relative to the repository root, where CMD runs).
-2. Before CMD starts, the record notes the commit (``git rev-parse HEAD``), the tracked files
+2. Before CMD starts, gradpress must import from this checkout's ``src/``; the record notes
+   the commit (``git rev-parse HEAD``), the tracked files
    that differ from it outside ``benchmarks/results/`` (``dirty``: a record measured on a
    modified tree says so), the machine (CPU model, cores, memory, OS, Python, torch, GPU) and
    the load average.
@@ -96,13 +97,29 @@ def prune(directory: Path, keep: list[str]) -> None:
             path.rmdir()
 
 
+def imported_gradpress() -> Path:
+    """Where ``import gradpress`` finds the package in a child process (this environment)."""
+    r = subprocess.run([sys.executable, "-c", "import gradpress; print(gradpress.__file__)"],
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise ValueError(f"record.py: gradpress does not import: {r.stderr.strip()[-500:]}")
+    return Path(r.stdout.strip()).resolve().parent
+
+
 def run(name: str, command: list[str], keep: list[str] | None = None,
         records: Path = RECORDS) -> dict[str, Any]:
-    """Steps 1-3: run ``command`` (``{out}`` replaced) and write ``records/name/record.json``."""
+    """Steps 1-3: run ``command`` (``{out}`` replaced) and write ``records/name/record.json``.
+
+    ValueError when gradpress would be imported from elsewhere than this checkout's ``src/``
+    (the record's commit would not be the code that ran): set ``PYTHONPATH=src``."""
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"record name {name!r}: expected one plain directory name")
     if not command:
         raise ValueError("no command given (put it after --)")
+    package = imported_gradpress()
+    if package != (ROOT / "src" / "gradpress").resolve():
+        raise ValueError(f"record.py: gradpress imports from {package}, not from this "
+                         f"checkout's {ROOT / 'src'}; run with PYTHONPATH={ROOT / 'src'}")
     out = records / name
     if out.exists():
         shutil.rmtree(out)

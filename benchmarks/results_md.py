@@ -5,6 +5,7 @@ Usage::
 
     python benchmarks/results_md.py            # rewrite docs/results.md and the README's figures
     python benchmarks/results_md.py --check    # exit 1 if either is stale
+    python benchmarks/results_md.py --rerun plan-stdlib-mlm   # remeasure a README record first
     python benchmarks/results_md.py --push-pull FILE   # take push_pull.py --json rows into
                                                        # performance.json, then rewrite
 
@@ -34,6 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import readme_figures  # noqa: E402
+import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -187,7 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--push-pull", type=Path, metavar="FILE",
                    help="first copy the part (a) rows of `push_pull.py --json FILE` into "
                         "performance.json")
+    p.add_argument("--rerun", nargs="+", choices=sorted(readme_figures.COMMANDS),
+                   metavar="RECORD", help="first run the command of these README records "
+                   f"through benchmarks/record.py ({', '.join(sorted(readme_figures.COMMANDS))})")
     args = p.parse_args(argv)
+    for name in args.rerun or ():
+        rec = record.run(name, readme_figures.COMMANDS[name], readme_figures.KEEP)
+        if rec["exit_code"] != 0:
+            print(f"{name}: the command failed (exit {rec['exit_code']}): {rec['command']}",
+                  file=sys.stderr)
+            return 1
     if args.push_pull:
         import_push_pull(args.push_pull)
     sections = load_results()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,10 @@ def test_readme_records_hold_command_commit_machine(name: str) -> None:
     assert re.fullmatch(r"[0-9a-f]{40}", rec["commit"])
     assert {"cpu", "cores", "memory", "os", "torch"} <= set(rec["machine"])
     assert rec["exit_code"] == 0 and report["status"] == "completed"
-    assert name in rec["command"]  # the command wrote where the record is
+    out = str(readme_figures.RECORDS.relative_to(ROOT) / name)
+    assert rec["command"] == shlex.join(
+        [a.replace("{out}", out) for a in readme_figures.COMMANDS[name]]), \
+        f"{name}: kept record made by another command than --rerun {name} runs"
 
 
 def test_every_results_table_holds_commit_and_machine(tmp_path: Path) -> None:
@@ -151,3 +155,12 @@ def test_record_keeps_command_commit_machine(tmp_path: Path) -> None:
     assert (ROOT / out).samefile(tmp_path / "t")
     with pytest.raises(ValueError, match="plain directory name"):
         record.run("../x", ["true"], records=tmp_path)
+
+
+def test_record_refuses_code_from_another_checkout(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert record.imported_gradpress() == (ROOT / "src" / "gradpress").resolve()
+    monkeypatch.setattr(record, "imported_gradpress", lambda: tmp_path / "gradpress")
+    with pytest.raises(ValueError, match="PYTHONPATH"):
+        record.run("t", ["true"], records=tmp_path)
+    assert not (tmp_path / "t").exists()
