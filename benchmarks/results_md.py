@@ -59,8 +59,12 @@ FOOTER = """\
 ## Adding or updating a result
 
 The tables live in `benchmarks/results/*.json` (one file per section of this page). After a
-benchmark run, edit the rows (and `date`, `commands`) of the table it measured and run
-`python benchmarks/results_md.py`; `tests/test_docs.py` fails while this page is stale.
+benchmark run, edit the rows (and `date`, `commit`, `machine`, `commands`) of the table it
+measured and run `python benchmarks/results_md.py`, which also renders the README's figure
+blocks; `tests/test_docs.py` and `tests/test_figures.py` fail while either is stale. A figure
+that another table holds is referenced as `{{TABLE|ROW|COLUMN}}`, not copied. The README's
+plan and demo come from `benchmarks/results/records/` (`benchmarks/record.py`: command, commit,
+machine); `python benchmarks/results_md.py --rerun plan-stdlib-mlm demo-100mbit` remeasures them.
 `python benchmarks/push_pull.py --json FILE` writes its rows in the layout of its printed table;
 `python benchmarks/results_md.py --push-pull FILE` copies the codec rows of part (a) into the
 `push-pull` table and rewrites the page. `python benchmarks/cluster.py --json FILE` writes
@@ -163,7 +167,8 @@ def render(sections: list[dict[str, Any]]) -> str:
 
 
 def import_push_pull(rows_file: Path, target: Path = RESULTS / "performance.json") -> None:
-    """Copy part (a)'s codec rows of ``push_pull.py --json`` output into the push-pull table."""
+    """Copy part (a)'s codec rows of ``push_pull.py --json`` output into the push-pull table,
+    with this checkout's commit and this machine (import right after the run)."""
     rows = json.loads(rows_file.read_text())
     data = json.loads(target.read_text())
     table = next(t for t in data["tables"] if t["id"] == "push-pull")
@@ -177,7 +182,14 @@ def import_push_pull(rows_file: Path, target: Path = RESULTS / "performance.json
                     ratio.replace("speed-up vs none ", "") or "-"])
     if not new:
         raise ValueError(f"{rows_file}: no part (a) rows (run push_pull.py with --parts a)")
+    m, head = record.machine(), record.git("rev-parse", "--short=10", "HEAD")
+    if not head:
+        raise ValueError("--push-pull: no commit to record (run it in a git checkout)")
     table["rows"], table["date"] = new, date.today().isoformat()
+    table["commit"] = f"{head} (the commit the rows were imported at: run it right after the " \
+        "benchmark, in the same checkout)"
+    table["machine"] = (f"one network namespace whose loopback is shaped to 1 Gbit/s, on one "
+                        f"{m['cores']}-core {m['cpu']} machine ({m['memory']})")
     target.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
