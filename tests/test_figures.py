@@ -164,3 +164,23 @@ def test_record_refuses_code_from_another_checkout(tmp_path: Path,
     with pytest.raises(ValueError, match="PYTHONPATH"):
         record.run("t", ["true"], records=tmp_path)
     assert not (tmp_path / "t").exists()
+
+
+def test_guide_plan_example_is_what_the_code_prints() -> None:
+    """docs/guide.md's plan example (computed, not measured) is what its snippet prints."""
+    import contextlib
+    import io
+
+    import torch
+
+    page = (ROOT / "docs" / "guide.md").read_text()
+    m = re.search(r"```python\n(.*?print\(opt\.plan\(\)\.format\(\)\)\n)```\n\n```text\n"
+                  r"(.*?)```", page, re.S)
+    assert m, "docs/guide.md: no python block printing opt.plan().format() followed by its text"
+    out = io.StringIO()
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(out):
+        exec(compile("import torch\nimport gradpress as gp\n" + m.group(1), "guide", "exec"),
+             {})
+    assert out.getvalue() == m.group(2), "docs/guide.md's plan example differs from the code's"
+
