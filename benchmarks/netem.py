@@ -1,4 +1,4 @@
-"""Network emulation on one machine: command line and throughput check (design brief §7).
+"""Network emulation on one machine: command line and throughput check.
 
 The library (rate-limited namespaces, emulated clusters, cleanup) is :mod:`gradpress.netem`;
 this module re-exports it, so ``import netem`` from ``benchmarks/`` keeps working, and adds:

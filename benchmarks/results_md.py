@@ -1,18 +1,25 @@
-"""Render docs/results.md from the result files in benchmarks/results/*.json.
+"""Render docs/results.md from the result files in benchmarks/results/*.json, and the README's
+figure blocks from them and the records in benchmarks/results/records/ (readme_figures.py).
 
 Usage::
 
-    python benchmarks/results_md.py            # rewrite docs/results.md
-    python benchmarks/results_md.py --check    # exit 1 if docs/results.md is stale
+    python benchmarks/results_md.py            # rewrite docs/results.md and the README's figures
+    python benchmarks/results_md.py --check    # exit 1 if either is stale
+    python benchmarks/results_md.py --rerun plan-stdlib-mlm   # remeasure a README record first
     python benchmarks/results_md.py --push-pull FILE   # take push_pull.py --json rows into
                                                        # performance.json, then rewrite
 
 A result file holds one section of the page: ``title``, ``order`` (position on the page),
 ``intro`` and ``tables``. Each table has ``id``, ``title``, ``source`` (``path`` in the
 repository and ``section``: where the figures were measured and discussed), ``date``,
-optionally ``setting`` (one paragraph), ``commands`` (what measured the figures), ``columns``,
-``rows`` (lists of strings, one per column) and optionally ``notes``. Figures are transcribed
-as measured, never computed here.
+``commit`` (the commit the figures were measured at or, for figures measured before records
+were kept, the commit that recorded them, then a note saying which), ``machine`` (where they
+were measured), optionally ``setting`` (one paragraph), ``commands`` (what measured the
+figures), ``columns``, ``rows`` (lists of strings, one per column) and optionally
+``notes``. Figures are transcribed as measured, never computed here. A figure kept in
+another table is referenced, not copied: ``{{TABLE|ROW|COLUMN}}`` in any text is replaced by
+the cell of table TABLE in the row whose first cell is ROW and the column COLUMN, so that it
+cannot go stale.
 """
 
 from __future__ import annotations
@@ -20,14 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from datetime import date
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import readme_figures  # noqa: E402
+import record  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
 
 HEADER = """\
 # Results
@@ -46,8 +59,12 @@ FOOTER = """\
 ## Adding or updating a result
 
 The tables live in `benchmarks/results/*.json` (one file per section of this page). After a
-benchmark run, edit the rows (and `date`, `commands`) of the table it measured and run
-`python benchmarks/results_md.py`; `tests/test_docs.py` fails while this page is stale.
+benchmark run, edit the rows (and `date`, `commit`, `machine`, `commands`) of the table it
+measured and run `python benchmarks/results_md.py`, which also renders the README's figure
+blocks; `tests/test_docs.py` and `tests/test_figures.py` fail while either is stale. A figure
+that another table holds is referenced as `{{TABLE|ROW|COLUMN}}`, not copied. The README's
+plan and demo come from `benchmarks/results/records/` (`benchmarks/record.py`: command, commit,
+machine); `python benchmarks/results_md.py --rerun plan-stdlib-mlm demo-100mbit` remeasures them.
 `python benchmarks/push_pull.py --json FILE` writes its rows in the layout of its printed table;
 `python benchmarks/results_md.py --push-pull FILE` copies the codec rows of part (a) into the
 `push-pull` table and rewrites the page. `python benchmarks/cluster.py --json FILE` writes
@@ -57,7 +74,8 @@ transcribe the systems' `median_s` (`best_s`) into the `cluster-*` tables.
 
 
 def load_results(directory: Path = RESULTS) -> list[dict[str, Any]]:
-    """The result files of ``directory``, in page order; ValueError for a malformed one."""
+    """The result files of ``directory``, in page order, references resolved; ValueError for a
+    malformed one."""
     sections = []
     for path in sorted(directory.glob("*.json")):
         data = json.loads(path.read_text())
@@ -65,13 +83,52 @@ def load_results(directory: Path = RESULTS) -> list[dict[str, Any]]:
             if key not in data:
                 raise ValueError(f"{path}: missing key {key!r}")
         for t in data["tables"]:
+            for key in ("id", "title", "source", "date", "commit", "machine", "columns", "rows"):
+                if not t.get(key):
+                    raise ValueError(f"{path}: table {t.get('id')!r}: missing {key!r}")
+            if not COMMIT.match(t["commit"]):
+                raise ValueError(f"{path}: table {t['id']!r}: commit {t['commit']!r} does not "
+                                 "start with a commit hash (7 to 40 hex digits)")
             width = len(t["columns"])
             for row in t["rows"]:
                 if len(row) != width:
                     raise ValueError(f"{path}: table {t['id']!r}: row {row!r} has {len(row)} "
                                      f"cells, expected {width}")
         sections.append(data)
-    return sorted(sections, key=lambda s: (s["order"], s["title"]))
+    return resolve(sorted(sections, key=lambda s: (s["order"], s["title"])))
+
+
+#: A table's ``commit``: a hash, then optionally a note.
+COMMIT = re.compile(r"[0-9a-f]{7,40}\b")
+_REF = re.compile(r"\{\{([^|{}]+)\|([^|{}]+)\|([^|{}]+)\}\}")
+
+
+def resolve(sections: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``sections`` with every ``{{TABLE|ROW|COLUMN}}`` replaced by that cell (module
+    docstring); ValueError naming a reference that points nowhere."""
+    tables = {t["id"]: t for s in sections for t in s["tables"]}
+
+    def cell(m: re.Match[str]) -> str:
+        tid, row, col = m.groups()
+        t = tables.get(tid)
+        if t is None or col not in t["columns"]:
+            raise ValueError(f"reference {m.group(0)}: no table {tid!r} with column {col!r}")
+        hits = [r for r in t["rows"] if r[0] == row]
+        if len(hits) != 1:
+            raise ValueError(f"reference {m.group(0)}: {len(hits)} rows of {tid!r} start "
+                             f"with {row!r}, expected 1")
+        return hits[0][t["columns"].index(col)]
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, str):
+            return _REF.sub(cell, x)
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    return [walk(s) for s in sections]
 
 
 def _link(source: dict[str, str]) -> str:
@@ -88,7 +145,10 @@ def _table(t: dict[str, Any]) -> list[str]:
     out.append("")
     if t.get("notes"):
         out += [t["notes"], ""]
-    out += [f"Date: {t['date']}. Source: {_link(t['source'])}.", ""]
+    cut = COMMIT.match(t["commit"]).end()  # type: ignore[union-attr]  # checked on load
+    commit = f"`{t['commit'][:min(cut, 10)]}`{t['commit'][cut:]}"
+    out += [f"Date: {t['date']}. Commit: {commit}. Machine: {t['machine']}. "
+            f"Source: {_link(t['source'])}.", ""]
     out += ["    " + c for c in t.get("commands", [])]
     return [*out, ""] if t.get("commands") else out
 
@@ -107,7 +167,8 @@ def render(sections: list[dict[str, Any]]) -> str:
 
 
 def import_push_pull(rows_file: Path, target: Path = RESULTS / "performance.json") -> None:
-    """Copy part (a)'s codec rows of ``push_pull.py --json`` output into the push-pull table."""
+    """Copy part (a)'s codec rows of ``push_pull.py --json`` output into the push-pull table,
+    with this checkout's commit and this machine (import right after the run)."""
     rows = json.loads(rows_file.read_text())
     data = json.loads(target.read_text())
     table = next(t for t in data["tables"] if t["id"] == "push-pull")
@@ -121,30 +182,50 @@ def import_push_pull(rows_file: Path, target: Path = RESULTS / "performance.json
                     ratio.replace("speed-up vs none ", "") or "-"])
     if not new:
         raise ValueError(f"{rows_file}: no part (a) rows (run push_pull.py with --parts a)")
+    m, head = record.machine(), record.git("rev-parse", "--short=10", "HEAD")
+    if not head:
+        raise ValueError("--push-pull: no commit to record (run it in a git checkout)")
     table["rows"], table["date"] = new, date.today().isoformat()
+    table["commit"] = f"{head} (the commit the rows were imported at: run it right after the " \
+        "benchmark, in the same checkout)"
+    table["machine"] = (f"one network namespace whose loopback is shaped to 1 Gbit/s, on one "
+                        f"{m['cores']}-core {m['cpu']} machine ({m['memory']})")
     target.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true",
-                   help="exit 1 if docs/results.md differs from what the JSON files give")
+                   help="exit 1 if docs/results.md or the README's figure blocks differ from what "
+                        "the records give")
     p.add_argument("--push-pull", type=Path, metavar="FILE",
                    help="first copy the part (a) rows of `push_pull.py --json FILE` into "
                         "performance.json")
+    p.add_argument("--rerun", nargs="+", choices=sorted(readme_figures.COMMANDS),
+                   metavar="RECORD", help="first run the command of these README records "
+                   f"through benchmarks/record.py ({', '.join(sorted(readme_figures.COMMANDS))})")
     args = p.parse_args(argv)
-    if args.push_pull:
-        import_push_pull(args.push_pull)
-    text = render(load_results())
-    if args.check:
-        current = PAGE.read_text() if PAGE.exists() else ""
-        if current != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python benchmarks/results_md.py",
+    for name in args.rerun or ():
+        rec = record.run(name, readme_figures.COMMANDS[name], readme_figures.KEEP)
+        if rec["exit_code"] != 0:
+            print(f"{name}: the command failed (exit {rec['exit_code']}): {rec['command']}",
                   file=sys.stderr)
             return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
+    if args.push_pull:
+        import_push_pull(args.push_pull)
+    sections = load_results()
+    pages = {PAGE: render(sections),
+             README: readme_figures.render_readme(README.read_text(), sections)}
+    if args.check:
+        stale = [page for page, text in pages.items()
+                 if (page.read_text() if page.exists() else "") != text]
+        for page in stale:
+            print(f"{page.relative_to(ROOT)} is stale: run python benchmarks/results_md.py",
+                  file=sys.stderr)
+        return int(bool(stale))
+    for page, text in pages.items():
+        page.write_text(text)
+        print(f"wrote {page.relative_to(ROOT)}")
     return 0
 
 

@@ -29,7 +29,7 @@ Steps:
    required, every method run's whole-run ratio vs fp32 (``model_ratio_vs_fp32``) is at least
    ``min_ratio``, and, where the task has rows never in training, the method's mean norm of
    those rows is within :data:`ROW_TOLERANCE` of the baseline's; it is incomplete while a run
-   is missing.
+   is missing, and not run while all are.
 4. Print one table (and the commands of the first seed); with ``--write``, put it as the table
    ``targets`` into ``benchmarks/results/accuracy.json`` and re-render ``docs/results.md``.
 """
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 import results_md  # noqa: E402
 import row_drift  # noqa: E402
 from convergence import CODECS, STUDY_SCRIPT, Run, completed, execute, lr_for  # noqa: E402
@@ -210,7 +211,7 @@ class Outcome:
     total: int                      # runs needed
     gaps: dict[int, float]          # seed -> gap, for the seeds with both runs done
     ratios: dict[int, float]        # seed -> the method's whole-run ratio vs fp32
-    status: str                     # "met", "not met (...)" or "incomplete"
+    status: str                     # "met", "not met (...)", "incomplete" or "not run"
     rows: dict[int, float] = field(default_factory=dict)  # seed -> unseen-row norm vs LANS
 
 
@@ -236,7 +237,7 @@ def evaluate(t: Target, out: Path) -> Outcome:
                 rows[seed] = drift
     total = 2 * len(t.seeds)
     if done < total:
-        return Outcome(t, done, total, gaps, ratios, "incomplete", rows)
+        return Outcome(t, done, total, gaps, ratios, "incomplete" if done else "not run", rows)
     why = [f"seed {s} at {_gap(g, t.unit)}" for s, g in gaps.items() if not within(t, g)]
     why += [f"seed {s} unseen rows {r:.2f}x LANS's norm" for s, r in rows.items()
             if abs(r - 1.0) > ROW_TOLERANCE]
@@ -315,11 +316,19 @@ def ratio_note(outcomes: Sequence[Outcome]) -> str:
 def results_table(outcomes: Sequence[Outcome], argv: Sequence[str], out: Path) -> dict[str, Any]:
     """Step 4: the ``targets`` table of accuracy.json."""
     targets = [o.target for o in outcomes]
+    m, head = record.machine(), record.git("rev-parse", "--short=10", "HEAD")
+    if not head:
+        raise ValueError("targets.py --write: no commit to record (git rev-parse HEAD failed; "
+                         "run it in a git checkout)")
     return {
         "id": TABLE_ID,
         "title": "The accuracy targets of issues 26 and 38: the defaults against LANS",
         "source": {"path": "benchmarks/targets.py", "section": "the targets of issues 26, 38"},
         "date": datetime.date.today().isoformat(),
+        "commit": f"{head} (the commit the table was written at; each run's own commit is not "
+                  "kept)",
+        "machine": f"{WORKERS} workers and 1 server, processes on one {m['cores']}-core "
+                   f"{m['cpu']} machine ({m['memory']}, {m.get('gpu') or 'no GPU'})",
         "setting": "2 workers, 1 server; per seed, uncompressed LANS (`--task`, the task's "
                    "lr warm-up) against `gp.OneBitLANS` with nothing but its defaults and the "
                    "codec shown (`benchmarks/clan_script.py` in script mode, `--warmup-steps` "
@@ -330,7 +339,8 @@ def results_table(outcomes: Sequence[Outcome], argv: Sequence[str], out: Path) -
                    "constant lr (`--schedule constant`), some at 0.5x/2x the lr or on 4 workers "
                    "of batch 8; where the task has embedding rows never in training, their mean "
                    "norm must stay within 10% of LANS's (`benchmarks/row_drift.py`). A target is "
-                   "met when every seed is inside it; incomplete while a run is missing.",
+                   "met when every seed is inside it; incomplete while a run is missing, not run "
+                   "while all are.",
         "commands": [shlex.join(["python", "benchmarks/targets.py",
                                  *(a for a in argv if a != "--collect-only")]),
                      *commands(targets, out)],
@@ -339,12 +349,18 @@ def results_table(outcomes: Sequence[Outcome], argv: Sequence[str], out: Path) -
 
 
 def write(table: Mapping[str, Any], results: Path, page: Path) -> None:
-    """Step 4: replace (or add first) the table in ``results/accuracy.json``; render ``page``."""
+    """Step 4: replace (or add first) the table in ``results/accuracy.json``, keeping the rows
+    of the targets this run did not evaluate (other tables reference them); render ``page``."""
     path = results / RESULTS_FILE
     data = json.loads(path.read_text())
     ids = [t["id"] for t in data["tables"]]
     if TABLE_ID in ids:
-        data["tables"][ids.index(TABLE_ID)] = dict(table)
+        rows = {r[0]: r for r in data["tables"][ids.index(TABLE_ID)]["rows"]}
+        rows.update({r[0]: r for r in table["rows"]})
+        order = [t.name for t in TARGETS]
+        merged = sorted(rows.values(), key=lambda r: order.index(r[0]) if r[0] in order
+                        else len(order))
+        data["tables"][ids.index(TABLE_ID)] = {**table, "rows": merged}
     else:
         data["tables"].insert(0, dict(table))
     path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")

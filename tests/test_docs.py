@@ -121,10 +121,17 @@ def test_results_page_is_up_to_date() -> None:
     assert r.returncode == 0, r.stderr or r.stdout
 
 
-#: What src/ must not carry: results figures, links into the study log, issue numbers. A
-#: docstring states the default and a one-line reason and links to a page (docs/guide.md).
-_NOT_IN_SRC = re.compile(r"convergence\.md|convergence-log|[Ii]ssue #?\d+|±|[+-]\d+\.\d+ ?%"
-                         r"|\blog (section )?\d+\.\d+")
+#: What src/ must not carry: results figures (percentages, ratios, rates written as prose),
+#: links into the study log, issue numbers, words about how the code was written. A docstring
+#: states the default and a one-line reason and links to a page (docs/guide.md); a setting is
+#: given as its value (``k=0.001``), not as a percentage. Format specs (``%s``, ``{x:.1%}``,
+#: ``{n:#010x}``) and rate syntax without a space (``25Gb/s``, an option's form) are not figures.
+_NOT_IN_SRC = re.compile(
+    r"convergence\.md|convergence-log|[Ii]ssue #?\d+|±|\blog (section )?\d+\.\d+"
+    r"|(?<![\w.#:%{])[+-]?\d+(\.\d+)? ?%(?![\w(])"            # 8.4%, +3%, 0.1%%
+    r"|(?<![\w.#:{])\d+(\.\d+)?x\b"                             # 8.4x, 32x
+    r"|\d+(\.\d+)? (?:[KMGT]i?B|[kKMGT]bit|[kKMGT]b)/s\b"        # 1.2 GB/s, 100 Mbit/s
+    r"|(?i:design brief|the lead'?s?\b|\bthe brief\b)")
 
 
 def test_src_holds_no_results_figures_or_study_references() -> None:

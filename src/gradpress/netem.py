@@ -1,4 +1,4 @@
-"""Network emulation on one machine with Linux network namespaces and ``tc`` (design brief §7).
+"""Network emulation on one machine with Linux network namespaces and ``tc``.
 
 Two set-ups, both reachable only from inside namespaces this module creates:
 

@@ -15,11 +15,11 @@ Wire formats (after the 40-byte header), with ``kk`` the resolved count (see :fu
 - ``topk`` with ``indices=int32``: ``kk`` int32 indices in ascending order, then ``kk`` values as
   above (the layout before packing; body bytes ``kk * (4 + value_bytes)``).
 
-  Why pack: at 0.1% the 40-byte header weighs on small chunks (16k-49k elements), and on
+  Why pack: at ``k=0.001`` the 40-byte header weighs on small chunks (16k-49k elements), and on
   BERT-size chunks (2**20 elements) an index needs 20 bits, not 32, so ``topk:k=0.001,
-  values=fp16`` sends 36 instead of 48 bits per selected element: about 444x less than fp16
-  instead of about 333x. A decoded index ``>= numel`` (possible when ``2**w > numel``, i.e. only
-  from a corrupted payload) is rejected with a ValueError naming the key and the range. The
+  values=fp16`` sends 36 instead of 48 bits per selected element. A decoded index ``>= numel``
+  (possible when ``2**w > numel``, i.e. only from a corrupted payload) is rejected with a
+  ValueError naming the key and the range. The
   ``indices`` setting is part of the config fingerprint in the header, so a peer using the other
   layout is rejected by the header check rather than mis-decoded.
 

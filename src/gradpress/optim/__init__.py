@@ -27,7 +27,7 @@ __all__ = ["LANS", "LAMB", "OneBitAdam", "OneBitLANSCore", "Communicate", "clan_
 CLAN_REFERENCE_LR = {
     "lans": 0.00125,        # uncompressed LANS (normalize_grad=True)
     "onebit": 0.0014865,    # CLAN with onebit compression and error feedback
-    "topk": 0.001051,       # CLAN with topk:k=0.001 (0.1%) and error feedback
+    "topk": 0.001051,       # CLAN with topk:k=0.001 and error feedback
 }
 
 
@@ -62,7 +62,7 @@ def clan_core(params: Iterable[Any], lr: float = 1e-3,
 
     The paper's reference learning rates for BERT-base at total batch 2k (phase 1, with
     warm-up and decay; see :data:`CLAN_REFERENCE_LR`): uncompressed LANS 0.00125; CLAN
-    ``onebit`` 0.0014865; CLAN ``topk`` 0.1% 0.001051. Scale roughly with the square root of
+    ``onebit`` 0.0014865; CLAN ``topk:k=0.001`` 0.001051. Scale roughly with the square root of
     the batch size for other batches, and re-tune per compressor.
 
     This builds only the optimizer; wrap it with

@@ -39,7 +39,7 @@ __all__ = ["HealthWatch", "Watched", "DEFAULT_PROBE_EVERY", "DEFAULT_THRESHOLD",
 
 log = logging.getLogger(__name__)
 
-#: A probe every this many compression-stage steps: a bf16 copy, 0.5% of fp32's bytes a step.
+#: A probe every this many compression-stage steps: a bf16 copy, a small share of the bytes.
 DEFAULT_PROBE_EVERY = 100
 #: A step whose cosine with the exact average falls below this has drifted.
 DEFAULT_THRESHOLD = 0.0

@@ -91,8 +91,8 @@ class OneBitAdam(BucketedOptimizer):
     Tuning advice:
 
     * ``dense_steps`` (the full-precision phase DeepSpeed calls ``freeze_step``): long enough
-      for ``v`` to settle: DeepSpeed uses about 15-25% of the
-      total steps for BERT pretraining (e.g. 23k of 152k) and a few hundred to a few thousand
+      for ``v`` to settle: DeepSpeed uses
+      23k of 152k total steps for BERT pretraining and a few hundred to a few thousand
       steps for fine-tuning. Too short and the frozen variance is stale: the loss rises after
       the switch. Must be >= 1.
     * ``lr``: Adam's; keep the schedule of the uncompressed run. The compression stage usually

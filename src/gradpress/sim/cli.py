@@ -1,6 +1,6 @@
 """``gradpress simulate``: predict one iteration's time with and without compression.
 
-The lead's ``gradpress.cli`` calls :func:`add_arguments` on the subcommand's parser and
+``gradpress.cli`` calls :func:`add_arguments` on the subcommand's parser and
 :func:`run` with the parsed arguments; ``python -m gradpress.sim.cli ...`` runs the same code.
 Unit strings: bandwidths like ``25gbit``, ``100mbit``, ``25Gb/s`` (bits per second) or
 ``10GB/s`` (bytes per second); sizes like ``4MB`` (binary: 4 MiB, as ``PSConfig``), ``512KB``
@@ -22,8 +22,8 @@ from .rates import default_rates, parse_rates
 __all__ = ["add_arguments", "run", "main", "parse_bandwidth", "parse_size", "PAPER_DEFAULTS"]
 
 #: model -> (compression spec, baseline wire format) the paper's runs imply (see
-#: docs/paper-comparison.md): one-bit with error feedback for the CNNs against fp32, top-k 0.1%
-#: with fp16 values and error feedback for BERT against mixed precision (fp16).
+#: docs/paper-comparison.md): one-bit with error feedback for the CNNs against fp32, top-k
+#: (``k=0.001``) with fp16 values and error feedback for BERT against mixed precision (fp16).
 PAPER_DEFAULTS = {
     "resnet50": ("onebit:ef=vanilla", "none"),
     "vgg16": ("onebit:ef=vanilla", "none"),

@@ -126,7 +126,7 @@ def resnet50() -> Model:
     ops.append(_linear("fc", 2048, 1000))  # step 3: global average pool, classifier
     return Model("resnet50", tuple(ops), "images", batch_per_gpu=64, samples_per_s=1200.0,
                  source="1,200 images/s: NVIDIA DeepLearningExamples PyTorch ResNet50 v1.5, "
-                        "1x V100 16GB, mixed precision (FP32: 367); batch 64/GPU = the paper's "
+                        "one V100 16GB, mixed precision (FP32: 367); batch 64/GPU = the paper's "
                         "4k batch over 64 GPUs (assumed)")
 
 

@@ -8,8 +8,8 @@ are simulated explicitly; times are seconds inside, milliseconds in results. The
 1. Compute. One iteration's compute time C (per GPU) splits into forward F = (1-f)*C and backward
    B = f*C (``backward_fraction`` f, default 2/3: backward costs about twice the forward). Backward
    runs the model's ops from the last to the first; each op takes B times its share of the
-   model's forward MACs (FLOPs, not parameters: VGG16's fc layers hold 90% of the parameters but
-   1% of the MACs). The gradients of an op's tensors are ready when the op finishes.
+   model's forward MACs (FLOPs, not parameters: VGG16's fc layers hold most of the parameters but
+   few of the MACs). The gradients of an op's tensors are ready when the op finishes.
 2. Chunks. Every tensor is cut into partitions of ``partition_bytes`` (as the runtime does, by
    float32 elements), keyed by :func:`~gradpress.ps.partition.chunk_key` and spread over the
    servers by :func:`~gradpress.ps.partition.assign_balanced` (bytes), and over each server's

@@ -14,7 +14,7 @@ and costs nothing on the worker (the gradient is already in its wire dtype).
 :data:`DEFAULT_RATES` was measured with :func:`measure_rates` on the 2-core development machine
 (one thread, torch intra-op threads 1, best of 10, 1,048,576-element chunks = the default 4 MB
 partition) and rounded down; the machine was shared, so these are approximate. The tuple key
-``(codec name, with error feedback)`` distinguishes the fused EF pass, which costs 1.5-4x the
+``(codec name, with error feedback)`` distinguishes the fused EF pass, which costs more than the
 plain encode.
 """
 
@@ -46,7 +46,7 @@ class CodecRates:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
                     or v <= 0:
-                raise ValueError(f"CodecRates.{f} must be a finite number > 0 GB/s, got {v!r}")
+                raise ValueError(f"CodecRates.{f} must be a finite rate in GB/s above 0, got {v!r}")
 
     def seconds(self, op: str, numel: int) -> float:
         """Seconds one thread needs for ``op`` on ``numel`` float32 elements."""

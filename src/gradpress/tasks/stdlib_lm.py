@@ -9,8 +9,8 @@ depends on the Python version, so numbers differ slightly between interpreters (
 runs).
 
 Steps of data preparation:
-  1. Split by topic: a topic goes to validation when ``crc32(name) % 10 == 0`` (about 10% of the
-     bytes), which keeps the split stable when topics are added or removed between versions and
+  1. Split by topic: a topic goes to validation when ``crc32(name) % 10 == 0`` (about a tenth of
+     the bytes), which keeps the split stable when topics are added or removed between versions and
      never cuts a topic in two.
   2. Tokenize byte-level: each topic's text is encoded as UTF-8; ids 0..255 are bytes, [BOS]=256.
   3. Join each part's topics in the file's order with a blank line and cut the stream into

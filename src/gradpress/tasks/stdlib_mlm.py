@@ -6,15 +6,15 @@ and no cache is needed; it is built in memory in well under a second. The exact 
 the Python version, so numbers differ slightly between interpreters (never between runs).
 
 Steps of data preparation:
-  1. Split by file: a file goes to validation when ``crc32(name) % 10 == 0`` (about 10%),
+  1. Split by file: a file goes to validation when ``crc32(name) % 10 == 0`` (about one in ten),
      which keeps the split stable when files are added to or removed from the stdlib.
   2. Tokenize byte-level: ids 0..255 are bytes, then [PAD]=256, [MASK]=257, [CLS]=258.
   3. Join each part's files with a newline and cut the stream into non-overlapping sequences of
      ``seq_len - 1`` bytes; prepend [CLS]. (All sequences are full, so [PAD] is never used.)
   4. Mask as BERT does (Devlin et al. 2019, "BERT: Pre-training of Deep Bidirectional
      Transformers for Language Understanding", section 3.1): choose ``round(0.15*(seq_len-1))``
-     positions per sequence (never [CLS]); replace 80% of them by [MASK], 10% by a random byte,
-     keep 10%; the loss is the cross-entropy at the chosen positions only.
+     positions per sequence (never [CLS]); replace 8 in 10 of them by [MASK], 1 in 10 by a random
+     byte, keep 1 in 10; the loss is the cross-entropy at the chosen positions only.
   5. Validation uses a fixed subset of validation sequences with masks drawn once from a fixed
      seed, so every evaluation sees the same inputs and targets.
 
@@ -129,7 +129,7 @@ def bert_mask(ids: torch.Tensor, generator: torch.Generator,
     pos = scores.argsort(dim=1)[:, :m] + 1
     chosen = torch.zeros_like(ids, dtype=torch.bool).scatter_(1, pos, True)
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
-    # 4b. 80% [MASK], 10% random byte, 10% unchanged
+    # 4b. 8 in 10 [MASK], 1 in 10 random byte, 1 in 10 unchanged
     u = torch.rand(ids.shape, generator=generator)
     random_bytes = torch.randint(0, 256, ids.shape, generator=generator)
     inputs = torch.where(chosen & (u < 0.8), torch.full_like(ids, MASK), ids)

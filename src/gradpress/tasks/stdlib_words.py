@@ -13,7 +13,7 @@ The exact text depends on the Python version, so numbers differ slightly between
 
 Steps of data preparation:
   1. Split by module: a module goes to validation when ``crc32(file name) % 10 == 0`` (about
-     10% of the words).
+     a tenth of the words).
   2. Tokenize: runs of letters, runs of digits, newlines and single other symbols
      (:data:`TOKEN_RE`); spaces are dropped.
   3. Vocabulary, as a tokenizer trained on the whole corpus would give it: every token that

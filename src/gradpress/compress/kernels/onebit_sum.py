@@ -58,7 +58,7 @@ def _row_g(bodies, vbs, base, c, dv, divide, g):  # type: ignore[no-untyped-def]
     One loop over the bytes, the pushes innermost (``len(bodies)`` is a compile-time constant,
     so LLVM unrolls it and vectorizes over the bytes). Arrays are indexed through slices, so
     that every index is a loop counter: numba's negative-index wraparound of ``base + j`` would
-    keep LLVM from vectorizing (measured: 4x slower out of cache)."""
+    keep LLVM from vectorizing (much slower out of cache)."""
     k0 = base // 8
     nb = c // 8
     for k in range(nb):
@@ -78,7 +78,7 @@ def _row_g(bodies, vbs, base, c, dv, divide, g):  # type: ignore[no-untyped-def]
 def _add_e(g, e, c, r, mode):  # type: ignore[no-untyped-def]
     """``g[:c] = ef_p(g, e, r, mode)`` (:func:`.common.ef_p`; ``e`` the same row of the
     residual), one loop per mode: a loop that branches on ``mode`` inside is not unswitched
-    here and runs 3x slower out of cache."""
+    here and runs much slower out of cache."""
     if mode == MODE_ADD:
         for j in range(c):
             g[j] = g[j] + e[j]

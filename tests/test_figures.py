@@ -1,0 +1,186 @@
+"""Every figure in the README comes from a record: the figure blocks are rendered from
+benchmarks/results/ (``python benchmarks/results_md.py``) and equal what the records give, no
+figure stands outside them, the records hold command, commit and machine, failed and unrun
+targets read as such, and the first screen is the two commands and what the project is."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import readme_figures  # noqa: E402
+import record  # noqa: E402
+import results_md  # noqa: E402
+
+#: A results figure in prose: a percentage, a ratio, a rate, a mean with its spread, a time.
+FIGURE = re.compile(r"(?<![\w.])[+-]?\d+(\.\d+)? ?%|(?<![\w.])\d+(\.\d+)?x\b|±"
+                    r"|\d+(\.\d+)? ?(?:[KMGT]i?B|[kKMGT]bit|[kKMGT]b)/s\b|\b\d+\.\d+ s\b")
+
+
+def prose(text: str) -> str:
+    """``text`` without figure blocks, indented code (commands) and inline code; fenced
+    blocks stay (a pasted table or plan is a figure)."""
+    text = re.sub(r"<!-- figures:(\w+) -->.*?<!-- /figures:\1 -->", "", text, flags=re.S)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("    "))
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def figures_outside_blocks(text: str) -> list[str]:
+    """The lines of ``text``'s prose that carry a figure."""
+    return [line for line in prose(text).splitlines() if FIGURE.search(line)]
+
+
+@pytest.fixture(scope="module")
+def sections() -> list[dict[str, Any]]:
+    return results_md.load_results()
+
+
+def test_readme_figure_blocks_equal_their_records(sections: list[dict[str, Any]]) -> None:
+    text = README.read_text()
+    assert readme_figures.render_readme(text, sections) == text, \
+        "README.md's figure blocks differ from their records: run python benchmarks/results_md.py"
+
+
+def test_readme_has_the_figure_blocks() -> None:
+    assert readme_figures.block_names(README.read_text()) == ["plan", "demo", "results"]
+
+
+def test_no_figure_in_the_readme_outside_the_blocks() -> None:
+    hits = figures_outside_blocks(README.read_text())
+    assert not hits, "figures in README.md with no record (put them in a figure block):\n" + \
+        "\n".join(hits)
+
+
+def test_a_changed_or_added_figure_is_caught(sections: list[dict[str, Any]]) -> None:
+    text = README.read_text()
+    block = re.search(r"<!-- figures:results -->.*?<!-- /figures:results -->", text, re.S)
+    assert block and "25.1x" in block.group(0)
+    changed = text.replace(block.group(0), block.group(0).replace("25.1x", "26.1x"))
+    assert readme_figures.render_readme(changed, sections) == text  # the record wins
+    added = text.replace("## Example", "CLAN one-bit trains 8.4x faster.\n\n## Example")
+    assert figures_outside_blocks(added) == ["CLAN one-bit trains 8.4x faster."]
+    for figure in ("+2.6%", "3 ± 1", "1.2 GB/s", "100 Mbit/s", "5.8 s"):
+        assert figures_outside_blocks(f"measured {figure} here"), figure
+    for setting in ("`--lr 0.01`", "    gradpress demo --bandwidth 100mbit  # 100 Mbit/s"):
+        assert not figures_outside_blocks(setting), setting
+
+
+def test_readme_first_screen() -> None:
+    lines = README.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("## "))
+    assert first <= 30, f"README.md: {first} lines before the first section (at most 30)"
+    commands = [line for line in lines[:first] if line.startswith("    ")]
+    assert len(commands) == 2 and all(c.startswith("    pip install ") for c in commands)
+    screen = "\n".join(lines[:first])
+    assert "%" not in screen, "a percentage before the README's first section"
+    assert not figures_outside_blocks(screen)
+
+
+@pytest.mark.parametrize("name", ["plan-stdlib-mlm", "demo-100mbit"])
+def test_readme_records_hold_command_commit_machine(name: str) -> None:
+    rec, report = readme_figures.read_record(name)
+    assert re.fullmatch(r"[0-9a-f]{40}", rec["commit"])
+    assert {"cpu", "cores", "memory", "os", "torch"} <= set(rec["machine"])
+    assert rec["exit_code"] == 0 and report["status"] == "completed"
+    out = str(readme_figures.RECORDS.relative_to(ROOT) / name)
+    assert rec["command"] == shlex.join(
+        [a.replace("{out}", out) for a in readme_figures.COMMANDS[name]]), \
+        f"{name}: kept record made by another command than --rerun {name} runs"
+
+
+def test_every_results_table_holds_commit_and_machine(tmp_path: Path) -> None:
+    for s in results_md.load_results():
+        for t in s["tables"]:
+            assert results_md.COMMIT.match(t["commit"]) and t["machine"], t["id"]
+    data = json.loads((results_md.RESULTS / "wire.json").read_text())
+    del data["tables"][0]["machine"]
+    (tmp_path / "wire.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="missing 'machine'"):
+        results_md.load_results(tmp_path)
+
+
+def test_references_resolve_and_fail_loudly(sections: list[dict[str, Any]]) -> None:
+    page = (ROOT / "docs" / "results.md").read_text()
+    assert [m.group(0) for m in results_md._REF.finditer(page)] == ["{{TABLE|ROW|COLUMN}}"]
+    gap = readme_figures.cell(sections, "targets", "gap (mean ± std)", target="onebit-mlm-800")
+    assert gap in page.split("### stdlib-mlm: OneBitLANS and CLAN at their defaults")[1]
+    bad = copy.deepcopy(sections)
+    bad[0]["tables"][0]["notes"] = "{{targets|no-such-target|result}}"
+    with pytest.raises(ValueError, match="no-such-target"):
+        results_md.resolve(bad)
+
+
+def test_failed_and_unrun_targets_read_as_such(sections: list[dict[str, Any]]) -> None:
+    s = copy.deepcopy(sections)
+    t = next(t for x in s for t in x["tables"] if t["id"] == "targets")
+    cols = t["columns"]
+    base = list(t["rows"][0])
+    unrun, failed = list(base), list(base)
+    unrun[0], unrun[cols.index("runs")], unrun[cols.index("result")] = "u", "0/6", "not run"
+    unrun[cols.index("gap per seed")] = "-"
+    failed[0], failed[cols.index("result")] = "f", "not met (seed 1 at +3.51%)"
+    t["rows"] = [unrun, failed]
+    block = readme_figures.results_block(s)
+    assert "| u | " in block and block.split("| u | ")[1].split("\n")[0].endswith(
+        "**not run** |")
+    assert "**not met (seed 1 at +3.51%)** |" in block
+    assert readme_figures.target_result("4/6", "incomplete") == "incomplete (4/6 runs)"
+    assert readme_figures.target_result("0/6", "incomplete") == "**not run**"
+
+
+def test_record_keeps_command_commit_machine(tmp_path: Path) -> None:
+    code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'report.json').write_text('{}'); " \
+        "pathlib.Path(sys.argv[1], 'plot.png').write_text('x')"
+    rec = record.run("t", [sys.executable, "-c", code, "{out}"], keep=["*.json"],
+                     records=tmp_path)
+    assert rec["exit_code"] == 0 and rec["wall_s"] >= 0
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, timeout=60).stdout.strip()
+    assert rec["commit"] == head and rec["machine"]["cores"]
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == ["record.json", "report.json"]
+    kept = json.loads((tmp_path / "t" / "record.json").read_text())
+    out = kept["command"].split()[-1]  # {out}: the record's directory, from the repository
+    assert (ROOT / out).samefile(tmp_path / "t")
+    with pytest.raises(ValueError, match="plain directory name"):
+        record.run("../x", ["true"], records=tmp_path)
+
+
+def test_record_refuses_code_from_another_checkout(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert record.imported_gradpress() == (ROOT / "src" / "gradpress").resolve()
+    monkeypatch.setattr(record, "imported_gradpress", lambda: tmp_path / "gradpress")
+    with pytest.raises(ValueError, match="PYTHONPATH"):
+        record.run("t", ["true"], records=tmp_path)
+    assert not (tmp_path / "t").exists()
+
+
+def test_guide_plan_example_is_what_the_code_prints() -> None:
+    """docs/guide.md's plan example (computed, not measured) is what its snippet prints."""
+    import contextlib
+    import io
+
+    import torch
+
+    page = (ROOT / "docs" / "guide.md").read_text()
+    m = re.search(r"```python\n(.*?print\(opt\.plan\(\)\.format\(\)\)\n)```\n\n```text\n"
+                  r"(.*?)```", page, re.S)
+    assert m, "docs/guide.md: no python block printing opt.plan().format() followed by its text"
+    out = io.StringIO()
+    torch.manual_seed(0)
+    with contextlib.redirect_stdout(out):
+        exec(compile("import torch\nimport gradpress as gp\n" + m.group(1), "guide", "exec"),
+             {})
+    assert out.getvalue() == m.group(2), "docs/guide.md's plan example differs from the code's"
+
