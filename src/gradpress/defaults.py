@@ -15,7 +15,7 @@ __all__ = [
     "HOOK_MIN_COMPRESS_BYTES", "dense_steps_for", "ef_for",
 ]
 
-#: One bit per element with error feedback: 32x fewer bytes than fp32 at no accuracy cost on
+#: One bit per element instead of fp32's 32, with error feedback, which keeps the accuracy on
 #: the bundled tasks (``docs/results.md``).
 COMPRESSION = "onebit"
 #: Every residual is kept until sent, on workers and servers alike, as in the paper.
@@ -31,9 +31,9 @@ WRAPPER_COMPRESSION = "none"
 DENSE_STEPS = 100
 #: An optimizer of the user's, wrapped as it is, compresses from the first step.
 WRAPPER_DENSE_STEPS = 0
-#: Measured, not a byte count tuned on one model: the largest tensors holding 95% of the
-#: model's bytes, and every tensor of 1 MiB or more, are compressed
-#: (:func:`gradpress.torch.agreement.auto_min_compress_bytes`).
+#: Measured, not a byte count tuned on one model: the largest tensors holding
+#: :data:`~gradpress.torch.agreement.COMPRESSED_SHARE` of the model's bytes, and every tensor of
+#: 1 MiB or more, are compressed (:func:`gradpress.torch.agreement.auto_min_compress_bytes`).
 MIN_COMPRESS_BYTES = "auto"
 #: Measured in the dense phase: a tensor whose gradients agree little across workers (mostly
 #: noise) travels exact (:mod:`gradpress.torch.agreement`).

@@ -61,7 +61,8 @@ class LANS(BucketedOptimizer):
     * ``lr``: the main knob. Because of the trust ratio it is a *relative* step (a layer moves
       by about ``lr * ||x||`` per step), so it does not transfer from Adam. The paper uses
       0.00125 for BERT-base at batch 2k (``lr`` grows about with the square root of the batch
-      size; 0.0060 at 64k). Always use a warm-up (linear, 1-10% of steps) and a decay schedule.
+      size; 0.0060 at 64k). Always use a linear warm-up over the first steps and a decay
+      schedule.
       CLAN (``normalize_grad=False`` on a compressed gradient) wants its own rate; see
       :func:`gradpress.optim.clan_core`.
     * ``betas``: keep ``(0.9, 0.999)``. ``b1`` also sets the blend between the momentum

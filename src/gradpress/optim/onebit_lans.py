@@ -71,7 +71,7 @@ class OneBitLANSCore(IdleRows, Watched, LANS):
        ``x = x - lr*(b1*q_r*r + (1-b1)*q_c*c)`` with ``c = gh + wd*x`` and its own trust ratio
        ``q_c``. With exact communication this is LANS on the average of the workers' ``m/d``;
        through a compressed link the recovered gradient carries the compression error
-       divided by ``1-b1`` (10x). ``gp.OneBitLANS`` blends only when every momentum travels
+       divided by ``1-b1``. ``gp.OneBitLANS`` blends only when every momentum travels
        exact (why: ``docs/optimizers.md``).
 
     With per-layer gradient normalisation a local gradient has the same norm as the averaged

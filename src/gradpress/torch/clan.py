@@ -61,8 +61,8 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
         lr: the peak learning rate, a relative step per layer (the trust ratio scales it by
             each layer's weight norm), so it does not transfer from Adam. Rule of thumb: start
             from uncompressed LANS's rate and tune per codec; the paper used 0.0014865 (one-bit)
-            and 0.001051 (top-k 0.1%) for BERT-base at batch 2k, with a warm-up and decay.
-        compression: the codec spec. Default ``"onebit"`` (32x against fp32); the paper's other
+            and 0.001051 (top-k, ``k=0.001``) for BERT-base at batch 2k, with a warm-up and decay.
+        compression: the codec spec. Default ``"onebit"`` (one bit an element); the paper's other
             setting is ``"topk:k=0.001,values=fp16"``. Rule of thumb: one-bit unless the wire is
             very slow; see ``docs/guide.md``.
         ef: error feedback on workers and servers. Default ``"vanilla"``: every residual is
@@ -80,7 +80,8 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
         eps: added to ``sqrt(v)``. Default 1e-6 (the paper's); raise it if fp16 gradients
             underflow.
         min_compress_bytes: tensors smaller than this (fp32 bytes) travel uncompressed and
-            exact. Default ``"auto"``: the largest tensors holding 95% of the model's bytes are
+            exact. Default ``"auto"``: the largest tensors holding
+            :data:`~gradpress.torch.agreement.COMPRESSED_SHARE` of the model's bytes are
             compressed, and every tensor of 1 MiB or more
             (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`), so a small model is
             compressed too; biases and norms, a small share, stay exact.
@@ -143,7 +144,7 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
             ``requires_grad=False`` are left out.
         lr: the peak learning rate, a relative step per layer as for LANS. Rule of thumb:
             uncompressed LANS's rate and schedule.
-        compression: the codec spec of the momentum. Default ``"onebit"`` (32x against fp32).
+        compression: the codec spec of the momentum. Default ``"onebit"`` (one bit an element).
             Rule of thumb: one-bit for transformers; top-k keeps up only on short runs.
         ef: error feedback on workers and servers. Default
             ``"vanilla:decay=0.8,server_decay=1.0"``: a worker's residual decays by 0.8 a step
@@ -161,7 +162,8 @@ def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the
             compression error out, so do not lower it much.
         eps: added to ``sqrt(v)``. Default 1e-6 (LANS's).
         min_compress_bytes: tensors smaller than this (fp32 bytes) travel uncompressed and
-            exact. Default ``"auto"``: the largest tensors holding 95% of the model's bytes are
+            exact. Default ``"auto"``: the largest tensors holding
+            :data:`~gradpress.torch.agreement.COMPRESSED_SHARE` of the model's bytes are
             compressed, and every tensor of 1 MiB or more
             (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`). The small momenta
             (and dense-phase gradients) share fused keys (:mod:`gradpress.torch.fusion`).

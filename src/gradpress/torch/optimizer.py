@@ -86,7 +86,8 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         mu: that momentum's coefficient.
         min_compress_bytes: gradients smaller than this travel uncompressed (exact), packed
             into fused keys (``GRADPRESS_FUSION_BYTES``, :mod:`gradpress.torch.fusion`).
-            Default ``"auto"``: the largest tensors holding 95% of the bytes are compressed,
+            Default ``"auto"``: the largest tensors holding
+            :data:`~gradpress.torch.agreement.COMPRESSED_SHARE` of the bytes are compressed,
             and every tensor of 1 MiB or more
             (:func:`~gradpress.torch.agreement.auto_min_compress_bytes`).
         backward_passes_per_step: gradients accumulate locally over this many backward passes

@@ -223,7 +223,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def demo_configs(args: argparse.Namespace, out: Path,
                  tensorboard: bool = False) -> list[TrainConfig]:
-    """The demo's runs: digits-cnn with CLAN uncompressed, onebit and topk 0.1% fp16."""
+    """The demo's runs: digits-cnn with CLAN uncompressed, onebit and topk (``k=0.001``, fp16
+    values)."""
     # no dense steps: a small CNN shows no gap without them (docs/guide.md)
     return [TrainConfig(name=name, task="digits-cnn", compression=spec, ef="vanilla",
                         optimizer="clan", lr=lr, epochs=args.epochs, steps=args.steps,
