@@ -50,8 +50,8 @@ def git(*args: str) -> str:
 
 def dirty_paths() -> list[str]:
     """Tracked files that differ from HEAD, outside benchmarks/results/."""
-    lines = git("status", "--porcelain", "--untracked-files=no").splitlines()
-    return [p for p in (line[3:] for line in lines) if not p.startswith("benchmarks/results/")]
+    paths = git("diff", "--name-only", "HEAD").splitlines()
+    return [p for p in paths if not p.startswith("benchmarks/results/")]
 
 
 def machine() -> dict[str, Any]:
