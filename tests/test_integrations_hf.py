@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_torchrun import ROOT, check_training, results, run_env, torchrun
+from helpers import ROOT, check_training, results, run_env, torchrun
 
 pytest.importorskip("transformers")
 

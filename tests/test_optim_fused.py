@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gradpress.optim import LAMB, LANS, kernels
-from test_optim import SHAPES, assert_close_list, make_grads, make_params, ref_layerwise, run
+from helpers import SHAPES, assert_close_list, make_grads, make_params, ref_layerwise, run
 
 #: odd sizes, an empty and a 1-element tensor, one matrix with a partial last lane block
 SIZES = [(0,), (1,), (7,), (64,), (65,), (1000,), (4097,), (3, 5, 7), (129, 33)]

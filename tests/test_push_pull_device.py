@@ -26,7 +26,7 @@ import torch
 
 from gradpress.ps.calls import check_out
 from gradpress.ps.config import PSConfig
-from test_push_pull import _check_replicas, _finish, _launch
+from helpers import check_replicas, finish, launch_script
 
 WORKER = textwrap.dedent('''
     import os, sys, threading
@@ -143,17 +143,17 @@ def script(tmp_path: Path) -> Path:
 
 
 def test_compress_on_device_with_cpu_tensors(tmp_path: Path, script: Path) -> None:
-    _finish([_launch(["--workers", "2", "--servers", "1"], script, tmp_path, "cpu",
-                     GRADPRESS_COMPRESS_ON="device")])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "cpu",
+                          GRADPRESS_COMPRESS_ON="device")])
+    check_replicas(tmp_path, 2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_tensors(tmp_path: Path, script: Path, mode: str) -> None:
-    _finish([_launch(["--workers", "2", "--servers", "1"], script, tmp_path, "cuda",
-                     GRADPRESS_COMPRESS_ON=mode)])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "cuda",
+                          GRADPRESS_COMPRESS_ON=mode)])
+    check_replicas(tmp_path, 2)
 
 
 def test_compress_on_option() -> None:
@@ -409,9 +409,9 @@ _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 def _cuda_job(tmp_path: Path, part: str, mode: str, *flags: str) -> None:
     script = tmp_path / "cuda_worker.py"
     script.write_text(CUDA_WORKER)
-    _finish([_launch(["--workers", "2", *(flags or ("--servers", "1"))], script, tmp_path, part,
-                     GRADPRESS_COMPRESS_ON=mode)])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", *(flags or ("--servers", "1"))], script, tmp_path,
+                          part, GRADPRESS_COMPRESS_ON=mode)])
+    check_replicas(tmp_path, 2)
 
 
 @_needs_cuda
