@@ -15,8 +15,6 @@ import pytest
 
 from helpers import ROOT, check_training, results, run_env, torchrun
 
-pytest.importorskip("transformers")
-
 PLAIN = ROOT / "examples" / "hf_plain.py"
 TRAINER = ROOT / "examples" / "hf_trainer.py"
 PLAIN_ARGS = ["--steps", "40", "--dense-steps", "10"]

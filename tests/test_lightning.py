@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lightning")
-
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook  # noqa: E402
+from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"

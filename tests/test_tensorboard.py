@@ -98,7 +98,6 @@ def test_option_and_its_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_writer_round_trip(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
     w = tb.TensorBoardWriter(tmp_path / "tb")
     for rec in _records():
         w.write(rec)
@@ -125,7 +124,6 @@ def _train(out: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def tb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    pytest.importorskip("tensorboard")
     out = tmp_path_factory.mktemp("tb") / "run"
     p = _train(out, "--steps", "4", "--eval-every", "2")  # the default: on when installed
     return out, p.stdout
@@ -189,7 +187,6 @@ def _doc_script() -> str:
 
 
 def test_the_documented_script_writes_scalars(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
     (tmp_path / "train.py").write_text(_doc_script())
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
            "--", sys.executable, "train.py"]
