@@ -215,6 +215,7 @@ def _interrupt_when(ready: Path, before: object) -> threading.Thread:
     return t
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode, code", [("exit", 130), ("ignore", 128 + signal.SIGKILL)])
 def test_ctrl_c_is_forwarded_then_the_child_killed(tmp_path: Path, mode: str, code: int) -> None:
     ready = tmp_path / "ready"
@@ -229,6 +230,7 @@ def test_ctrl_c_is_forwarded_then_the_child_killed(tmp_path: Path, mode: str, co
 
 
 # -- a short demo behind a real rate-limited link (root) ---------------------------------------
+@pytest.mark.cluster
 @pytest.mark.skipif(not _usable(), reason="needs root, ip netns and tc")
 def test_demo_in_a_rate_limited_namespace(tmp_path: Path) -> None:
     out = tmp_path / "demo"

@@ -33,6 +33,7 @@ def test_hf_plain_under_torchrun(plain_torchrun: list[dict]) -> None:
     check_training(plain_torchrun, max_ratio=0.25, loss_ratio=0.9)
 
 
+@pytest.mark.cluster
 def test_hf_plain_under_gradpress_launch(tmp_path: Path, plain_torchrun: list[dict]) -> None:
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--colocate",
            "--", sys.executable, str(PLAIN), *PLAIN_ARGS, "--out", str(tmp_path)]
@@ -74,6 +75,7 @@ def test_hf_trainer_with_the_hook_checkpoints_and_resumes_exactly(tmp_path: Path
         assert r["param_hash"] == runs[0]["param_hash"]
 
 
+@pytest.mark.cluster
 def test_importing_gradpress_does_not_import_transformers() -> None:
     code = ("import sys, gradpress, gradpress.ddp_hook, gradpress.checkpoint\n"
             "gradpress.DistributedOptimizer; gradpress.OneBitLANS\n"

@@ -46,6 +46,7 @@ ENV_DUMP = """
 """
 
 
+@pytest.mark.cluster
 def test_workers_get_the_job_environment(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     p = _launch(["--workers", "3", "--colocate"], ENV_DUMP, tmp_path, marker)
@@ -77,6 +78,7 @@ FAIL_ONE = """
 """
 
 
+@pytest.mark.cluster
 def test_failed_worker_stops_everything_and_is_named(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     p = _launch(["--workers", "2", "--servers", "1", "--timeout", "30"], FAIL_ONE, tmp_path,
@@ -88,6 +90,7 @@ def test_failed_worker_stops_everything_and_is_named(tmp_path: Path) -> None:
     assert_no_leftovers(marker, 5)  # worker 0, its grandchild and the server are gone
 
 
+@pytest.mark.cluster
 def test_failed_server_is_named(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     # the server reads GRADPRESS_TIMEOUT and fails; the workers just wait to be stopped
@@ -100,6 +103,7 @@ def test_failed_server_is_named(tmp_path: Path) -> None:
     assert_no_leftovers(marker, 5)
 
 
+@pytest.mark.cluster
 def test_sigterm_to_the_launcher_stops_everything(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     code = """
@@ -147,6 +151,7 @@ TORCHRUN = """
 """
 
 
+@pytest.mark.cluster
 def test_usable_under_torchrun_with_a_server_rank(tmp_path: Path) -> None:
     script = tmp_path / "cmd.py"
     script.write_text(textwrap.dedent(TORCHRUN))

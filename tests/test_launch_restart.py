@@ -86,6 +86,7 @@ def test_latest_orders_by_saved_step_and_skips_refused(
     assert latest(tmp_path / "none") is None
 
 
+@pytest.mark.cluster
 def test_max_restarts_is_checked() -> None:
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--nnodes", "2",
            "--master-port", "1", "--max-restarts", "1", "--", "true"]
@@ -102,6 +103,7 @@ def _launch(out: Path, marker: str, *extra: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
+@pytest.mark.cluster
 def test_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()

@@ -196,6 +196,7 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.cluster
 def test_two_workers_one_server_none_and_onebit(tmp_path: Path, script: Path) -> None:
     trace = tmp_path / "trace" / "t.json"
     finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "none,onebit",
@@ -207,6 +208,7 @@ def test_two_workers_one_server_none_and_onebit(tmp_path: Path, script: Path) ->
         assert stages & {"compress", "server.compress"}, (name, stages)
 
 
+@pytest.mark.cluster
 def test_two_nodes_two_servers_through_multi_node_flags(tmp_path: Path, script: Path) -> None:
     port = str(free_port())
     procs = [launch_script(["--nnodes", "2", "--node-rank", str(n), "--master-addr",
@@ -217,6 +219,7 @@ def test_two_nodes_two_servers_through_multi_node_flags(tmp_path: Path, script: 
     check_replicas(tmp_path, 2)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
 def test_colocated(tmp_path: Path, script: Path, hierarchical: bool) -> None:
     # hierarchical, W=2: the leader pushes x0 + x1 (exact in either order), so `none` is still
@@ -226,6 +229,7 @@ def test_colocated(tmp_path: Path, script: Path, hierarchical: bool) -> None:
     check_replicas(tmp_path, 2)
 
 
+@pytest.mark.cluster
 def test_spec_mismatch_and_timeout_errors_name_key_peer_and_stage(tmp_path: Path) -> None:
     script = tmp_path / "errors.py"
     script.write_text(ERRORS)

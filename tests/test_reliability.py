@@ -140,6 +140,7 @@ TRAIN = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_killed_worker_ends_every_process_naming_it(tmp_path: Path) -> None:
     """No launcher: the server sees worker 1's connection close and exits naming it; worker 0,
     busy computing, learns it from the watchdog and is ended within GRADPRESS_TIMEOUT."""
@@ -160,6 +161,7 @@ def test_killed_worker_ends_every_process_naming_it(tmp_path: Path) -> None:
     assert "worker 1 (rank 1)" in w0.split("ending it")[-1], w0
 
 
+@pytest.mark.cluster
 def test_killed_server_stops_the_launch_with_a_named_error(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
@@ -347,6 +349,7 @@ HOSTILE_GLOO = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode", ["separate", "inline"])
 def test_truncated_payload_over_gloo_is_rejected(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "hostile.py"
@@ -445,6 +448,7 @@ AUTH_JOB = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_processes_with_wrong_or_missing_secret_are_refused_and_the_job_runs(
         tmp_path: Path) -> None:
     script = tmp_path / "job.py"
@@ -546,6 +550,7 @@ def _slope_kb_per_step(ys: list[int]) -> float:
                                                                  for x in range(n))
 
 
+@pytest.mark.cluster
 def test_soak_memory_flat_no_thread_leaks_secret_in_env_loopback_only(tmp_path: Path) -> None:
     script = tmp_path / "soak.py"
     script.write_text(SOAK)

@@ -129,6 +129,7 @@ def tb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out, p.stdout
 
 
+@pytest.mark.cluster
 def test_train_writes_the_metrics_as_tensorboard_scalars(tb_run: tuple[Path, str]) -> None:
     out, stdout = tb_run
     assert f"TensorBoard scalars in {out / 'tensorboard'}" in stdout
@@ -168,6 +169,7 @@ def test_train_writes_the_metrics_as_tensorboard_scalars(tb_run: tuple[Path, str
                                                                    rel=1e-5)
 
 
+@pytest.mark.cluster
 def test_no_tensorboard_writes_no_event_files(tb_run: tuple[Path, str], tmp_path: Path) -> None:
     out = tmp_path / "run"
     shutil.copytree(tb_run[0], out)  # an earlier run's event files must not stay
@@ -186,6 +188,7 @@ def _doc_script() -> str:
     return m.group(1)
 
 
+@pytest.mark.cluster
 def test_the_documented_script_writes_scalars(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(_doc_script())
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",

@@ -12,6 +12,8 @@ import pytest
 
 from helpers import ROOT, check_training, free_port, results, run_env, torchrun
 
+pytestmark = pytest.mark.cluster  # every test here starts real processes
+
 SCRIPT = ROOT / "examples" / "torchrun_train.py"
 STEPS = 60
 

@@ -182,6 +182,7 @@ def test_bad_input_fails_before_any_process_starts(tmp_path: Path,
         prepare_out_dir(blocker)
 
 
+@pytest.mark.cluster
 def test_cli_reports_bad_input_as_usage_error(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn",
            "--optimizer", "adagrad", "--out", str(tmp_path)]  # the `gradpress` command
@@ -271,6 +272,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_script_mode_run_directory(tmp_path: Path) -> None:
     script = tmp_path / "my_train.py"
     script.write_text(SCRIPT)
@@ -293,6 +295,7 @@ def test_script_mode_run_directory(tmp_path: Path) -> None:
     _pngs_ok(out)
 
 
+@pytest.mark.cluster
 def test_demo_end_to_end_short(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     p = subprocess.run(_cli("demo", "--steps", "2", "--out", str(out), "--no-progress"),
@@ -316,6 +319,7 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
     _pngs_ok(out, (*PLOTS, "eval_vs_step.png"))
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
 def test_sigint_stops_everything_and_keeps_partial_metrics(tmp_path: Path, presses: int) -> None:
     out, marker = tmp_path / "run", uuid.uuid4().hex

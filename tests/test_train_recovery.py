@@ -189,6 +189,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.cluster
 def test_checkpoints_and_params_sha256_of_a_run(reference: Path) -> None:
     rep = _report(reference)
     assert rep["status"] == "completed" and rep["steps"] == STEPS
@@ -201,6 +202,7 @@ def test_checkpoints_and_params_sha256_of_a_run(reference: Path) -> None:
                                                          "server0.pt"}
 
 
+@pytest.mark.cluster
 def test_resumed_run_is_bit_identical(reference: Path, tmp_path: Path) -> None:
     ckpt = shutil.copytree(reference / "checkpoints" / "step-20", tmp_path / "ckpt")
     out = tmp_path / "run"
@@ -212,6 +214,7 @@ def test_resumed_run_is_bit_identical(reference: Path, tmp_path: Path) -> None:
     assert rep["steps"] == STEPS - EVERY  # a fresh directory: only the steps run here
 
 
+@pytest.mark.cluster
 def test_auto_resume_falls_back_past_a_corrupt_checkpoint(reference: Path,
                                                           tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -250,6 +253,7 @@ FAILURES = {"worker-killed": ("worker", 1, signal.SIGKILL, None),
             "before-any-checkpoint": ("worker", 0, signal.SIGKILL, None)}
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("failure", list(FAILURES))
 def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
                                            failure: str) -> None:
@@ -297,6 +301,7 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
         assert recovery_s < 30 + (float(timeout) if timeout else 0.0)
 
 
+@pytest.mark.cluster
 def test_onebit_lans_resume_keeps_each_workers_optimizer_state(tmp_path: Path) -> None:
     """OneBitLANS keeps a second moment per worker (``per_worker_state``): each worker's own
     optimizer state must come back, not worker 0's broadcast."""
