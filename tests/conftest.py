@@ -39,20 +39,21 @@ def _is_python(args: object, executable: object) -> bool:
     return program == sys.executable or name.startswith(("python", "torchrun"))
 
 
-@pytest.fixture(autouse=True)
-def _processes_only_in_cluster_tests(request: pytest.FixtureRequest,
-                                     monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if request.node.get_closest_marker("cluster") is not None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Around an unmarked test's setup (module fixtures included), call and teardown: starting
+    a Python or multiprocessing process fails the test."""
+    if item.get_closest_marker("cluster") is not None:
         yield
         return
-    where = request.node.nodeid
 
     def refuse(what: str) -> AssertionError:
-        return AssertionError(f"{where} starts {what}: mark it @pytest.mark.cluster "
+        return AssertionError(f"{item.nodeid} starts {what}: mark it @pytest.mark.cluster "
                               f"(tests that start real processes are left out of the fast "
                               f'loop, pytest -m "not cluster")')
 
     real_execute = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    real_start = multiprocessing.process.BaseProcess.start
 
     def execute_child(self, args, executable, *rest, **kw):  # type: ignore[no-untyped-def]
         if _is_python(args, executable):
@@ -62,6 +63,10 @@ def _processes_only_in_cluster_tests(request: pytest.FixtureRequest,
     def start(self):  # type: ignore[no-untyped-def]
         raise refuse("a multiprocessing process")
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", execute_child)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
-    yield
+    subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
+    multiprocessing.process.BaseProcess.start = start  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child = real_execute  # type: ignore[attr-defined]
+        multiprocessing.process.BaseProcess.start = real_start  # type: ignore[method-assign]

@@ -27,6 +27,7 @@ def plain_torchrun(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return results(out, 2)
 
 
+@pytest.mark.cluster
 def test_hf_plain_under_torchrun(plain_torchrun: list[dict]) -> None:
     # 10 dense steps (bf16) then 30 one-bit steps: about a sixth of fp32's bytes in all;
     # the loss falls from ~5.1 (ln 257 = 5.55 is chance) to ~4.1 in 40 steps
@@ -49,6 +50,7 @@ def _trainer_runs(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.cluster
 def test_hf_trainer_with_the_hook_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
     args = ["--steps", "30", "--save-steps", "15", "--out", str(tmp_path)]
     torchrun(2, TRAINER, args, run_env())

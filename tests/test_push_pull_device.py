@@ -150,7 +150,7 @@ def test_compress_on_device_with_cpu_tensors(tmp_path: Path, script: Path) -> No
 
 
 @pytest.mark.cluster
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_tensors(tmp_path: Path, script: Path, mode: str) -> None:
     finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "cuda",
