@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster_models import build_model, loss_of, make_batch  # noqa: E402
+from cluster_models import build_model, loss_of, make_batch
 
 DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-ddp-hook")
 GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk")

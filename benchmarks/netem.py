@@ -25,7 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from gradpress.netem import (  # noqa: F401 - re-exported for the benchmarks and their tests
+from gradpress.netem import (  # re-exported for the benchmarks and their tests
     _LIVE,
     NAME_PREFIX,
     EmulatedCluster,

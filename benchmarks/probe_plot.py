@@ -16,9 +16,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from gradpress.optim.health import DEFAULT_THRESHOLD  # noqa: E402
+from gradpress.optim.health import DEFAULT_THRESHOLD
 
 NAMED = {"tok.weight": "token embedding", "out.weight": "output layer"}
 

@@ -49,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import record  # noqa: E402
-import results_md  # noqa: E402
-import row_drift  # noqa: E402
-from convergence import CODECS, STUDY_SCRIPT, Run, completed, execute, lr_for  # noqa: E402
+import record
+import results_md
+import row_drift
+from convergence import CODECS, STUDY_SCRIPT, Run, completed, execute, lr_for
 
 #: Worker processes of every run (``gradpress train``'s default).
 WORKERS = 2

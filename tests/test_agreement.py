@@ -112,6 +112,7 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_noisy_tensor_travels_exact_on_every_worker(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -155,6 +156,7 @@ def test_auto_min_compress_bytes_on_the_bundled_tasks(task: str) -> None:
     assert auto.compressed_tensors >= 6 and auto.ratio > 10
 
 
+@pytest.mark.cluster
 def test_gradpress_train_uncompressed_params_auto(tmp_path: Path) -> None:
     """`gradpress train --uncompressed-params auto`: measured in the dense phase, and every
     compressible tensor's plan row gives its measured agreement."""

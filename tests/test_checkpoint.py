@@ -176,6 +176,7 @@ def meta_sha(directory: Path, name: str) -> str:
     return json.loads((directory / "meta.json").read_text())["files"][name]
 
 
+@pytest.mark.cluster
 def test_resume_is_bit_identical(tmp_path: Path) -> None:
     first = _launch(tmp_path, "first", ["--colocate"])
     assert not torch.equal(first[0]["resid"], first[1]["resid"])  # per-worker residuals differ

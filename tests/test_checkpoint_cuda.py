@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.cluster  # every test here starts real processes
+
 WORKER = textwrap.dedent('''
     import gc, sys, torch, gradpress as gp
     import gradpress.checkpoint as ck

@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gradpress.tasks import get_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +33,7 @@ def _run(tmp_path: Path, train_args: list[str], *script_args: str) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
+@pytest.mark.cluster
 def test_gp_onebit_lans_keeps_the_position_embedding_exact(tmp_path: Path) -> None:
     rep = _run(tmp_path, [], "--dense-steps", "3", "--uncompressed-params", "pos.weight")
     assert rep["status"] == "completed" and rep["steps"] == 6 and rep["replicas_identical"]
@@ -42,6 +45,7 @@ def test_gp_onebit_lans_keeps_the_position_embedding_exact(tmp_path: Path) -> No
     assert b["push"] > b["push_last"]  # the 3 dense steps are in the mean
 
 
+@pytest.mark.cluster
 def test_method_train_passes_experiment_switches(tmp_path: Path) -> None:
     rep = _run(tmp_path, ["--optimizer", "onebit-lans", "--dense-steps", "3"],
                "--method", "train", "--variance", "frozen", "--blend")
@@ -51,6 +55,7 @@ def test_method_train_passes_experiment_switches(tmp_path: Path) -> None:
     assert b["push_last"] < b["dense_fp32"] / 8   # the momenta travel one-bit after step 3
 
 
+@pytest.mark.cluster
 def test_switches_need_method_train() -> None:
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "clan_script.py"),
                         "--variance", "frozen"], capture_output=True, text=True, timeout=60)

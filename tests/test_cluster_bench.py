@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import cluster  # noqa: E402
-import cluster_models  # noqa: E402
+import cluster
+import cluster_models
 
 
 def test_defaults_and_quick() -> None:

@@ -159,9 +159,10 @@ def test_fp16_decode_add_all_half_values(impl: str) -> None:
 
 
 def test_fp16_uses_hardware_conversions_here() -> None:
-    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
-        pytest.skip(f"no expectation for {platform.machine()}")
-    assert KC.fp16_impl() == "hw"  # x86-64 with F16C / ARM: the fast path must be taken
+    # x86-64 with F16C / ARM: the fast path must be taken; elsewhere either path is correct
+    # (both are checked against torch above on every value)
+    fast = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+    assert KC.fp16_impl() in (("hw",) if fast else ("hw", "int"))
 
 
 # -- decompress_add -------------------------------------------------------------------------------

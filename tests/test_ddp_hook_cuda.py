@@ -42,8 +42,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @contextlib.contextmanager
 def world_of_one(backend: str, tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+    assert not dist.is_initialized(), "a process group was left initialised by an earlier test"
     dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:

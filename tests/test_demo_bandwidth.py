@@ -200,12 +200,14 @@ time.sleep(60)
 """
 
 
-def _interrupt_when(ready: Path) -> threading.Thread:
+def _interrupt_when(ready: Path, before: object) -> threading.Thread:
+    """Press Ctrl-C once the child has set its handlers (``ready``) and the parent forwards
+    signals (its SIGINT handler is no longer ``before``)."""
     def _go() -> None:
         deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline:
+        while not (ready.exists() and signal.getsignal(signal.SIGINT) is not before) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGINT)
 
     t = threading.Thread(target=_go, daemon=True)
@@ -213,11 +215,12 @@ def _interrupt_when(ready: Path) -> threading.Thread:
     return t
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode, code", [("exit", 130), ("ignore", 128 + signal.SIGKILL)])
 def test_ctrl_c_is_forwarded_then_the_child_killed(tmp_path: Path, mode: str, code: int) -> None:
     ready = tmp_path / "ready"
     before = signal.getsignal(signal.SIGINT)
-    t = _interrupt_when(ready)
+    t = _interrupt_when(ready, before)
     t0 = time.monotonic()
     rc = run_forwarding_signals([sys.executable, "-c", _CHILD, mode, str(ready)],
                                 dict(os.environ), grace_s=1.0)
@@ -227,6 +230,7 @@ def test_ctrl_c_is_forwarded_then_the_child_killed(tmp_path: Path, mode: str, co
 
 
 # -- a short demo behind a real rate-limited link (root) ---------------------------------------
+@pytest.mark.cluster
 @pytest.mark.skipif(not _usable(), reason="needs root, ip netns and tc")
 def test_demo_in_a_rate_limited_namespace(tmp_path: Path) -> None:
     out = tmp_path / "demo"

@@ -255,6 +255,7 @@ def _reference_none(steps: int, workers: int, momentum: float = 0.0) -> torch.Te
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
+@pytest.mark.cluster
 def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -115,6 +115,7 @@ def test_relative_links_resolve(page: Path) -> None:
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"
 
 
+@pytest.mark.cluster
 def test_results_page_is_up_to_date() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "results_md.py"), "--check"],
                        capture_output=True, text=True)

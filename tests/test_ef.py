@@ -281,7 +281,6 @@ def test_sparse_ef_rejects_codecs_without_indices():
             make(spec, ef="sparse")
 
 
-@pytest.mark.skipif("randomk" not in codec_names(), reason="randomk not registered yet")
 def test_sparse_ef_touches_only_selected_positions_and_conserves_mass():
     ef, plain = make("randomk:k=0.05", ef="sparse"), make("randomk:k=0.05")
     e_prev = torch.zeros(N)
@@ -334,9 +333,7 @@ def _state_cases() -> list[tuple[str, dict]]:
     cases = [(s, {"ef": "vanilla"}) for s in SPECS]
     cases += [(s, {"ef": "corrected", "momentum": "nesterov"}) for s in ("none", "trunc16")]
     cases += [(s, {"ef": "vanilla:decay=0.5,anneal=1"}) for s in ("onebit", "trunc16")]
-    if "randomk" in codec_names():
-        cases.append(("randomk:k=0.05", {"ef": "sparse"}))
-    return cases
+    return [*cases, ("randomk:k=0.05", {"ef": "sparse"})]
 
 
 @pytest.mark.parametrize(("spec", "kw"), _state_cases())

@@ -265,6 +265,7 @@ def _launch(tmp_path: Path, tag: str, env: dict[str, str],
     return [json.loads((tmp_path / f"{tag}{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.cluster
 def test_fused_pushes_are_bit_identical_and_fewer(tmp_path: Path) -> None:
     on = _launch(tmp_path, "on", {})
     off = _launch(tmp_path, "off", {"GRADPRESS_FUSION_BYTES": "0"})
@@ -282,6 +283,7 @@ def test_fused_pushes_are_bit_identical_and_fewer(tmp_path: Path) -> None:
         assert a["chunks"][0] < b["chunks"][0]  # the dense step fuses them too
 
 
+@pytest.mark.cluster
 def test_fused_pushes_through_hierarchical_aggregation(tmp_path: Path) -> None:
     # the node's leader pushes the fused keys of the node's sum; the other worker pushes none
     lead, other = _launch(tmp_path, "hier", {}, ("--colocate", "--hierarchical"))

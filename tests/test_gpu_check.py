@@ -24,6 +24,7 @@ import gpu_check_push_pull as gpp  # noqa: E402
 from gpu_check_report import Result, build_report, render_markdown  # noqa: E402
 
 
+@pytest.mark.cluster
 def test_cpu_mode_end_to_end(tmp_path: Path) -> None:
     """--allow-cpu --quick writes JSON and markdown with every section, and passes."""
     cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--allow-cpu", "--quick", "--device",
@@ -87,6 +88,7 @@ def test_gpu_test_files(tmp_path: Path) -> None:
     assert "tests/test_push_pull_device.py" in real and "tests/test_gpu_check.py" not in real
 
 
+@pytest.mark.cluster
 def test_run_command_timeout_kills_the_group() -> None:
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
            "'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)"

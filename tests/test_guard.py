@@ -105,6 +105,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_stops_a_real_run_and_reports_why(tmp_path: Path) -> None:
     # window means 3.235, 1.735, 1.0, 2.275: past 1 + 0.5 * 2.235 at the end of step 200
     script, out = tmp_path / "diverge.py", tmp_path / "run"

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from test_torchrun import ROOT, check_training, results, run_env, torchrun
-
-pytest.importorskip("transformers")
+from helpers import ROOT, check_training, results, run_env, torchrun
 
 PLAIN = ROOT / "examples" / "hf_plain.py"
 TRAINER = ROOT / "examples" / "hf_trainer.py"
@@ -29,12 +27,14 @@ def plain_torchrun(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return results(out, 2)
 
 
+@pytest.mark.cluster
 def test_hf_plain_under_torchrun(plain_torchrun: list[dict]) -> None:
     # 10 dense steps (bf16) then 30 one-bit steps: about a sixth of fp32's bytes in all;
     # the loss falls from ~5.1 (ln 257 = 5.55 is chance) to ~4.1 in 40 steps
     check_training(plain_torchrun, max_ratio=0.25, loss_ratio=0.9)
 
 
+@pytest.mark.cluster
 def test_hf_plain_under_gradpress_launch(tmp_path: Path, plain_torchrun: list[dict]) -> None:
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--colocate",
            "--", sys.executable, str(PLAIN), *PLAIN_ARGS, "--out", str(tmp_path)]
@@ -50,6 +50,7 @@ def _trainer_runs(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.cluster
 def test_hf_trainer_with_the_hook_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
     args = ["--steps", "30", "--save-steps", "15", "--out", str(tmp_path)]
     torchrun(2, TRAINER, args, run_env())
@@ -76,6 +77,7 @@ def test_hf_trainer_with_the_hook_checkpoints_and_resumes_exactly(tmp_path: Path
         assert r["param_hash"] == runs[0]["param_hash"]
 
 
+@pytest.mark.cluster
 def test_importing_gradpress_does_not_import_transformers() -> None:
     code = ("import sys, gradpress, gradpress.ddp_hook, gradpress.checkpoint\n"
             "gradpress.DistributedOptimizer; gradpress.OneBitLANS\n"

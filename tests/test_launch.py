@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
@@ -22,27 +21,7 @@ import pytest
 from gradpress.cli import main
 from gradpress.ps.cluster import Layout
 from gradpress.ps.config import ClusterConfig, PSConfig
-
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="uses /proc to look for leftover processes")
-
-
-def _marked(marker: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``GP_TEST_MARKER=marker``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"GP_TEST_MARKER={marker}".encode() in env.split(b"\0") and state != "Z":
-            pids.append(int(entry))
-    return pids
+from helpers import assert_no_leftovers, wait_files
 
 
 def _launch(args: list[str], code: str, tmp_path: Path, marker: str,
@@ -56,20 +35,6 @@ def _launch(args: list[str], code: str, tmp_path: Path, marker: str,
                             text=True)
 
 
-def _wait_files(paths: list[Path], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
-        assert time.monotonic() < deadline, f"timed out waiting for {paths}"
-        time.sleep(0.05)
-
-
-def _assert_no_leftovers(marker: str) -> None:
-    deadline = time.monotonic() + 5
-    while _marked(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _marked(marker) == [], "processes left behind by the launcher"
-
-
 ENV_DUMP = """
     import json, os, sys
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -81,6 +46,7 @@ ENV_DUMP = """
 """
 
 
+@pytest.mark.cluster
 def test_workers_get_the_job_environment(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     p = _launch(["--workers", "3", "--colocate"], ENV_DUMP, tmp_path, marker)
@@ -94,21 +60,25 @@ def test_workers_get_the_job_environment(tmp_path: Path) -> None:
         assert env["GRADPRESS_ROLE"] == "worker" and env["GRADPRESS_STORE_HOSTED"] == "1"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
     assert len({e["MASTER_PORT"] for e in envs}) == 1
-    _assert_no_leftovers(marker)
+    assert_no_leftovers(marker, 5)
 
 
 FAIL_ONE = """
     import os, subprocess, sys, time
-    rank = int(os.environ["RANK"])
-    if rank == 1:
-        time.sleep(0.3)
-        sys.exit(3)
+    rank, started = int(os.environ["RANK"]), os.path.join(sys.argv[1], "started")
+    if rank == 1:  # fails once worker 0's grandchild is up, so the launcher must stop that too
+        deadline = time.monotonic() + 60
+        while not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(3 if os.path.exists(started) else 4)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    open(os.path.join(sys.argv[1], "started"), "w").write(str(child.pid))
-    time.sleep(120)
+    open(started + ".tmp", "w").write(str(child.pid))
+    os.rename(started + ".tmp", started)
+    time.sleep(120)  # until the launcher stops it
 """
 
 
+@pytest.mark.cluster
 def test_failed_worker_stops_everything_and_is_named(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     p = _launch(["--workers", "2", "--servers", "1", "--timeout", "30"], FAIL_ONE, tmp_path,
@@ -116,9 +86,11 @@ def test_failed_worker_stops_everything_and_is_named(tmp_path: Path) -> None:
     out, err = p.communicate(timeout=90)
     assert p.returncode == 3, err
     assert "worker 1 (rank 1" in err and "exited with code 3" in err, err
-    _assert_no_leftovers(marker)  # worker 0, its grandchild and the server are gone
+    # code 3, not 4: worker 0's grandchild was up before worker 1 failed
+    assert_no_leftovers(marker, 5)  # worker 0, its grandchild and the server are gone
 
 
+@pytest.mark.cluster
 def test_failed_server_is_named(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     # the server reads GRADPRESS_TIMEOUT and fails; the workers just wait to be stopped
@@ -128,9 +100,10 @@ def test_failed_server_is_named(tmp_path: Path) -> None:
     out, err = p.communicate(timeout=90)
     assert p.returncode == 1, err
     assert "server 0 (rank 2" in err and "GRADPRESS_TIMEOUT" in err, err
-    _assert_no_leftovers(marker)
+    assert_no_leftovers(marker, 5)
 
 
+@pytest.mark.cluster
 def test_sigterm_to_the_launcher_stops_everything(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     code = """
@@ -139,12 +112,12 @@ def test_sigterm_to_the_launcher_stops_everything(tmp_path: Path) -> None:
         time.sleep(120)
     """
     p = _launch(["--workers", "2", "--colocate"], code, tmp_path, marker)
-    _wait_files([tmp_path / "up0", tmp_path / "up1"])
+    wait_files([tmp_path / "up0", tmp_path / "up1"])
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "SIGTERM" in err
-    _assert_no_leftovers(marker)
+    assert_no_leftovers(marker, 5)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -178,6 +151,7 @@ TORCHRUN = """
 """
 
 
+@pytest.mark.cluster
 def test_usable_under_torchrun_with_a_server_rank(tmp_path: Path) -> None:
     script = tmp_path / "cmd.py"
     script.write_text(textwrap.dedent(TORCHRUN))

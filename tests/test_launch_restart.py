@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from gradpress.checkpoint import file_sha256, latest
-from test_train_recovery import _pid
+from helpers import pid_of
 
 SCRIPT = textwrap.dedent('''
     import sys, time
@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent('''
     from gradpress.train.checkpoints import params_sha256
 
     out, total = Path(sys.argv[1]), int(sys.argv[2])
+    KILL_AT = 22  # past the step-20 checkpoint
     gp.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
@@ -52,9 +53,11 @@ SCRIPT = textwrap.dedent('''
         opt.step()
         if root is not None and (step + 1) % 10 == 0:
             ckpt.save(f"{root}/step-{step + 1}", model, opt, step + 1)
-        if gp.rank() == 0:
-            (out / "progress").write_text(str(step + 1))
-        time.sleep(0.05)
+        if step + 1 == KILL_AT and root is not None and ckpt.resume_dir() is None \
+                and gp.rank() == 1:  # the first attempt stops here, to be killed by the test
+            (out / "paused").write_text(str(step + 1))
+            time.sleep(120)
+            raise SystemExit("worker 1 was not killed within 120 s")
     if gp.rank() == 0:
         (out / "sha").write_text(params_sha256(model))
     gp.shutdown()
@@ -83,6 +86,7 @@ def test_latest_orders_by_saved_step_and_skips_refused(
     assert latest(tmp_path / "none") is None
 
 
+@pytest.mark.cluster
 def test_max_restarts_is_checked() -> None:
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--nnodes", "2",
            "--master-port", "1", "--max-restarts", "1", "--", "true"]
@@ -99,14 +103,7 @@ def _launch(out: Path, marker: str, *extra: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def _progress(out: Path) -> int:
-    try:
-        return int((out / "progress").read_text() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+@pytest.mark.cluster
 def test_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> None:
     ref, run = tmp_path / "ref", tmp_path / "run"
     ref.mkdir()
@@ -118,12 +115,11 @@ def test_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> No
     p = _launch(run, marker, "--checkpoints", str(run / "ckpt"), "--max-restarts", "1")
     try:
         deadline = time.monotonic() + 180
-        while _progress(run) < 22:  # past the step-20 checkpoint
+        while not (run / "paused").exists():  # worker 1 waits there after step 22
             assert p.poll() is None, p.communicate()
-            assert time.monotonic() < deadline, "no progress past step 22 within 180 s"
-            time.sleep(0.01)
-        os.kill(_pid(marker, "worker", 1), signal.SIGKILL)
-        killed_at = _progress(run)
+            assert time.monotonic() < deadline, "worker 1 did not reach step 22 within 180 s"
+            time.sleep(0.05)
+        os.kill(pid_of(marker, "worker", 1), signal.SIGKILL)
         _, err = p.communicate(timeout=180)
     finally:
         if p.poll() is None:
@@ -131,5 +127,5 @@ def test_killed_worker_restarts_from_the_newest_checkpoint(tmp_path: Path) -> No
     assert p.returncode == 0, err[-3000:]
     resumed = re.search(r"restart 1 of 1 from \S*/step-(\d+)", err)
     assert resumed is not None, err[-3000:]
-    assert 20 <= int(resumed.group(1)) <= killed_at  # the newest checkpoint before the kill
+    assert int(resumed.group(1)) == 20  # the newest checkpoint before the kill at step 22
     assert (run / "sha").read_text() == (ref / "sha").read_text()

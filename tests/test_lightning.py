@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lightning")
-
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook  # noqa: E402
+from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
@@ -62,6 +60,7 @@ def check_training(ranks: list[dict]) -> None:
         assert sum(second) < sum(first), r["losses"]
 
 
+@pytest.mark.cluster
 def test_import_gradpress_does_not_import_lightning() -> None:
     code = ("import sys, gradpress, gradpress.api, gradpress.ddp_hook, gradpress.checkpoint; "
             "gradpress.DistributedOptimizer; "
@@ -128,6 +127,7 @@ def test_checkpoint_entry_is_checked(caplog: pytest.LogCaptureFixture) -> None:
             _saved_entry({CHECKPOINT_KEY: entry}, kind, world)
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_lightning_ddp_strategy_never_calls_the_hook_on_cpu(tmp_path: Path) -> None:
     ranks = run_example(tmp_path, "ddp-hook", "--epochs", "1")
@@ -136,6 +136,7 @@ def test_lightning_ddp_strategy_never_calls_the_hook_on_cpu(tmp_path: Path) -> N
         assert r["stats"]["iter"] == 0 and r["stats"]["compressed_buckets"] == 0
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(400)
 def test_two_way_compression_strategy(tmp_path: Path) -> None:
     ranks = run_example(tmp_path / "a", "two-way")
@@ -158,6 +159,7 @@ def test_two_way_compression_strategy(tmp_path: Path) -> None:
     assert resumed[0]["stats"]["compressed_buckets"] == 8  # the resumed half only
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(400)
 def test_parameter_server_strategy(tmp_path: Path) -> None:
     ranks = run_example(tmp_path / "a", "ps")
@@ -202,6 +204,7 @@ sys.stdout.flush()
 """
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_parameter_server_strategy_accumulates_and_clips(tmp_path: Path) -> None:
     """accumulate_grad_batches=3 over 8 batches: optimizer steps after batches 3, 6 and 8 (epoch

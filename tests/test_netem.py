@@ -109,6 +109,7 @@ def test_missing_ip_is_a_clear_error(monkeypatch):
 
 
 # -- namespaces (root) --------------------------------------------------------------------------
+@pytest.mark.cluster
 @needs_root
 def test_rate_limited_namespace_lifecycle():
     with netem.rate_limited_namespace("200mbit") as ns:
@@ -122,6 +123,7 @@ def test_rate_limited_namespace_lifecycle():
     assert not _exists(ns.name)
 
 
+@pytest.mark.cluster
 @needs_root
 def test_namespace_removed_on_exception_and_processes_killed():
     with pytest.raises(RuntimeError, match="boom"):
@@ -145,6 +147,7 @@ def _wait_inside(name: str, pid: int, timeout: float = 20.0) -> None:
     raise AssertionError(f"process {pid} did not enter namespace {name} within {timeout} s")
 
 
+@pytest.mark.cluster
 @needs_root
 def test_namespace_removed_on_sigterm(tmp_path):
     script = textwrap.dedent(f"""
@@ -163,6 +166,7 @@ def test_namespace_removed_on_sigterm(tmp_path):
     assert not _exists(name)
 
 
+@pytest.mark.cluster
 @needs_root
 def test_cluster_hosts_reach_each_other_only_inside():
     code = "import socket, sys; socket.create_connection((sys.argv[1], 9), 5)"
@@ -183,6 +187,7 @@ def test_cluster_hosts_reach_each_other_only_inside():
     assert not any(_exists(ns.name) for ns in cl.namespaces)
 
 
+@pytest.mark.cluster
 @needs_root
 def test_throughput_helper_and_cli(capsys):
     assert netem.main(["check"]) == 0
@@ -192,6 +197,7 @@ def test_throughput_helper_and_cli(capsys):
         assert netem.measure_throughput(ns, ns, mib=4) > 0
 
 
+@pytest.mark.cluster
 @needs_root
 def test_cleanup_stale_removes_only_dead_creators():
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -21,6 +21,7 @@ from gradpress.optim import (
     _common,
     clan_core,
 )
+from helpers import SHAPES, assert_close_list, make_grads, make_params, ref_layerwise, run
 
 # The convergence study's variants (benchmarks/study_optim.py): the switches it concluded
 # against, kept out of the shipped optimizers but still tested, so its log stays reproducible.
@@ -30,44 +31,8 @@ study_optim = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(study_optim)
 StudyLANS, StudyOneBitLANS = study_optim.StudyLANS, study_optim.StudyOneBitLANS
 
-SHAPES = [(5, 3), (7,), (4, 2, 2), (3,)]
 
-
-# -- fixtures: parameters and gradient sequences ------------------------------------------------
-
-def make_params(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.Tensor]:
-    """Several tensors; the last one starts at zero (weight norm 0 -> trust ratio 1)."""
-    g = torch.Generator().manual_seed(seed)
-    ps = [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
-    ps[-1].zero_()
-    return [p.to(dtype).requires_grad_() for p in ps]
-
-
-def make_grads(steps: int = 6, seed: int = 1) -> list[list[torch.Tensor | None]]:
-    """Per step, one gradient per tensor; includes an all-zero gradient and a missing one."""
-    g = torch.Generator().manual_seed(seed)
-    seq = []
-    for k in range(steps):
-        grads: list[torch.Tensor | None] = [
-            torch.randn(s, generator=g, dtype=torch.float64) * (0.1 + i)
-            for i, s in enumerate(SHAPES)
-        ]
-        if k == 1:
-            grads[0] = torch.zeros(SHAPES[0], dtype=torch.float64)   # gradient norm 0
-        if k == 2:
-            grads[1] = None                                          # no gradient this step
-        seq.append(grads)
-    return seq
-
-
-def run(opt: torch.optim.Optimizer, params: list[torch.Tensor],
-        seq: list[list[torch.Tensor | None]]) -> None:
-    for grads in seq:
-        for p, gr in zip(params, grads):
-            p.grad = None if gr is None else gr.to(p.dtype).clone()
-        opt.step()
-
-
+# -- a communicate that halves: the average with a second worker whose tensor is 0 ------------
 def halving_recorder() -> tuple[list[tuple[str, torch.Tensor]], Any]:
     """A ``communicate`` that records (key, tensor) and returns half the tensor: the "average"
     with a second worker whose tensor is 0."""
@@ -78,50 +43,6 @@ def halving_recorder() -> tuple[list[tuple[str, torch.Tensor]], Any]:
         return 0.5 * t
 
     return calls, communicate
-
-
-# -- independent float64 references -----------------------------------------------------------
-
-def _ratio(x: torch.Tensor, u: torch.Tensor) -> float:
-    xn, un = float(x.norm()), float(u.norm())
-    return xn / un if xn > 0 and un > 0 else 1.0
-
-
-def ref_layerwise(params, seq, lr, betas, eps, wds, kind, normalize=False, freeze_step=None):
-    """LANS (kind="lans") or LAMB (kind="lamb") written per tensor, straight from the papers;
-    with ``freeze_step``, v and its bias correction stop at that step (1-bit LAMB style)."""
-    b1, b2 = betas
-    xs = [p.detach().double().clone() for p in params]
-    ms = [torch.zeros_like(x) for x in xs]
-    vs = [torch.zeros_like(x) for x in xs]
-    ts = [0] * len(xs)
-    for grads in seq:
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            x, wd = xs[i], wds[i]
-            ts[i] += 1
-            t = ts[i]
-            if normalize and float(g.norm()) > 0:
-                g = g / g.norm()
-            ms[i] = b1 * ms[i] + (1 - b1) * g
-            tv = t if freeze_step is None else min(t, freeze_step)
-            if t == tv:
-                vs[i] = b2 * vs[i] + (1 - b2) * g * g
-            mh, vh = ms[i] / (1 - b1 ** t), vs[i] / (1 - b2 ** tv)
-            r = mh / (vh.sqrt() + eps) + wd * x
-            if kind == "lamb":
-                xs[i] = x - lr * _ratio(x, r) * r
-            else:
-                c = g / (vh.sqrt() + eps) + wd * x
-                xs[i] = x - lr * b1 * _ratio(x, r) * r - lr * (1 - b1) * _ratio(x, c) * c
-    return xs
-
-
-def assert_close_list(got, want, rtol, atol):
-    for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a.detach().double(), b, rtol=rtol, atol=atol,
-                                   msg=lambda m, i=i: f"tensor {i}: {m}")
 
 
 # -- LANS / LAMB --------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_plan_bytes_equal_the_pushed_bytes(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -222,6 +223,7 @@ def test_plan_bytes_equal_the_pushed_bytes(tmp_path: Path) -> None:
     assert w0["pushed"] == w1["pushed"]
 
 
+@pytest.mark.cluster
 def test_train_prints_the_plan_once_and_reports_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn", "--steps",

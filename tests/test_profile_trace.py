@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import cluster  # noqa: E402
-import profile_trace as pt  # noqa: E402
-from gradpress.ps.trace import Tracer  # noqa: E402
+import cluster
+import profile_trace as pt
+from gradpress.ps.trace import Tracer
 
 
 def _ev(name: str, start: float, end: float, key: int, **args: float) -> dict:

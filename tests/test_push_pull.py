@@ -16,15 +16,13 @@ References (computed inside each worker, for every worker's input, in rank order
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import check_replicas, finish, free_port, launch_script
 
 WORKER = textwrap.dedent('''
     import os, sys, threading
@@ -164,13 +162,21 @@ ERRORS = textwrap.dedent('''
     import gradpress as gp
 
     out_dir = sys.argv[1]
+    declared = os.path.join(out_dir, "declared0")
     gp.init()
     r = gp.rank()
-    if r == 1:
-        time.sleep(0.5)  # worker 0 declares "m" first; worker 1 then disagrees
     try:
-        gp.push_pull(torch.ones(10), "m", compression="none" if r == 0 else "fp16",
-                     min_compress_bytes=0)
+        if r == 0:  # declares "m" (push_pull_async agrees on the keys before it returns) ...
+            h = gp.push_pull_async(torch.ones(10), "m", compression="none",
+                                   min_compress_bytes=0)
+            open(declared, "w").close()
+            h.wait()  # ... and waits for a reply that never comes
+        else:  # ... then worker 1 declares it otherwise
+            deadline = time.monotonic() + 60
+            while not os.path.exists(declared) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert os.path.exists(declared), "worker 0 did not declare 'm' within 60 s"
+            gp.push_pull(torch.ones(10), "m", compression="fp16", min_compress_bytes=0)
         msg = "no error"
     except Exception as e:
         msg = f"{type(e).__name__}: {e}"
@@ -183,45 +189,6 @@ ERRORS = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args: list[str], script: Path, out: Path, modes: str,
-            **env_vars: str) -> subprocess.Popen:
-    env = dict(os.environ, GRADPRESS_PARTITION_BYTES="4000", GRADPRESS_TIMEOUT="60",
-               GRADPRESS_COMPRESS_THREADS="2", GRADPRESS_ENGINE_THREADS="2",
-               OMP_NUM_THREADS="1")
-    env.update(env_vars)
-    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--timeout", "60", *args, "--",
-           sys.executable, str(script), str(out), modes]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
-def _finish(procs: list[subprocess.Popen]) -> None:
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=150)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0])
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, f"launcher exited {p.returncode}:\n{log}"
-
-
-def _check_replicas(out: Path, workers: int) -> None:
-    res = [torch.load(out / f"worker{w}.pt") for w in range(workers)]
-    assert res[0], "workers saved no results"
-    for other in res[1:]:
-        assert other.keys() == res[0].keys()
-        for k in res[0]:
-            assert torch.equal(other[k], res[0][k]), f"replicas differ on {k}"
-
-
 @pytest.fixture
 def script(tmp_path: Path) -> Path:
     path = tmp_path / "worker.py"
@@ -229,41 +196,45 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.cluster
 def test_two_workers_one_server_none_and_onebit(tmp_path: Path, script: Path) -> None:
     trace = tmp_path / "trace" / "t.json"
-    _finish([_launch(["--workers", "2", "--servers", "1"], script, tmp_path, "none,onebit",
-                     GRADPRESS_TRACE=str(trace))])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "none,onebit",
+                          GRADPRESS_TRACE=str(trace))])
+    check_replicas(tmp_path, 2)
     for name in ("t.worker0.json", "t.worker1.json", "t.server0.json"):
         events = json.loads((trace.parent / name).read_text())["traceEvents"]
         stages = {e["name"] for e in events if e["ph"] == "X"}
         assert stages & {"compress", "server.compress"}, (name, stages)
 
 
+@pytest.mark.cluster
 def test_two_nodes_two_servers_through_multi_node_flags(tmp_path: Path, script: Path) -> None:
-    port = str(_free_port())
-    procs = [_launch(["--nnodes", "2", "--node-rank", str(n), "--master-addr", "127.0.0.1",
-                      "--master-port", port, "--workers-per-node", "1",
-                      "--servers-per-node", "1"], script, tmp_path, "none")
+    port = str(free_port())
+    procs = [launch_script(["--nnodes", "2", "--node-rank", str(n), "--master-addr",
+                            "127.0.0.1", "--master-port", port, "--workers-per-node", "1",
+                            "--servers-per-node", "1"], script, tmp_path, "none")
              for n in range(2)]
-    _finish(procs)
-    _check_replicas(tmp_path, 2)
+    finish(procs)
+    check_replicas(tmp_path, 2)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
 def test_colocated(tmp_path: Path, script: Path, hierarchical: bool) -> None:
     # hierarchical, W=2: the leader pushes x0 + x1 (exact in either order), so `none` is still
     # bit-exact; the onebit reference above models flat aggregation only
     args = ["--workers", "2", "--colocate"] + (["--hierarchical"] if hierarchical else [])
-    _finish([_launch(args, script, tmp_path, "none" if hierarchical else "none,onebit")])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(args, script, tmp_path, "none" if hierarchical else "none,onebit")])
+    check_replicas(tmp_path, 2)
 
 
+@pytest.mark.cluster
 def test_spec_mismatch_and_timeout_errors_name_key_peer_and_stage(tmp_path: Path) -> None:
     script = tmp_path / "errors.py"
     script.write_text(ERRORS)
-    _finish([_launch(["--workers", "2", "--colocate"], script, tmp_path, "",
-                     GRADPRESS_TIMEOUT="2")])
+    finish([launch_script(["--workers", "2", "--colocate"], script, tmp_path, "",
+                          GRADPRESS_TIMEOUT="2")])
     first, second = ((tmp_path / f"error{r}.txt").read_text() for r in range(2))
     assert first.startswith("CommTimeoutError") and "'m' chunk 0" in first, first
     assert "timed out after 2 s" in first, first

@@ -26,7 +26,7 @@ import torch
 
 from gradpress.ps.calls import check_out
 from gradpress.ps.config import PSConfig
-from test_push_pull import _check_replicas, _finish, _launch
+from helpers import check_replicas, finish, launch_script
 
 WORKER = textwrap.dedent('''
     import os, sys, threading
@@ -142,18 +142,20 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.cluster
 def test_compress_on_device_with_cpu_tensors(tmp_path: Path, script: Path) -> None:
-    _finish([_launch(["--workers", "2", "--servers", "1"], script, tmp_path, "cpu",
-                     GRADPRESS_COMPRESS_ON="device")])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "cpu",
+                          GRADPRESS_COMPRESS_ON="device")])
+    check_replicas(tmp_path, 2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cluster
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_tensors(tmp_path: Path, script: Path, mode: str) -> None:
-    _finish([_launch(["--workers", "2", "--servers", "1"], script, tmp_path, "cuda",
-                     GRADPRESS_COMPRESS_ON=mode)])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, "cuda",
+                          GRADPRESS_COMPRESS_ON=mode)])
+    check_replicas(tmp_path, 2)
 
 
 def test_compress_on_option() -> None:
@@ -409,23 +411,26 @@ _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CU
 def _cuda_job(tmp_path: Path, part: str, mode: str, *flags: str) -> None:
     script = tmp_path / "cuda_worker.py"
     script.write_text(CUDA_WORKER)
-    _finish([_launch(["--workers", "2", *(flags or ("--servers", "1"))], script, tmp_path, part,
-                     GRADPRESS_COMPRESS_ON=mode)])
-    _check_replicas(tmp_path, 2)
+    finish([launch_script(["--workers", "2", *(flags or ("--servers", "1"))], script, tmp_path,
+                          part, GRADPRESS_COMPRESS_ON=mode)])
+    check_replicas(tmp_path, 2)
 
 
+@pytest.mark.cluster
 @_needs_cuda
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_every_codec_fp16_bf16_and_in_place_match_cpu(tmp_path: Path, mode: str) -> None:
     _cuda_job(tmp_path, "codecs", mode)
 
 
+@pytest.mark.cluster
 @_needs_cuda
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_stream_stress_is_bit_identical_to_cpu(tmp_path: Path, mode: str) -> None:
     _cuda_job(tmp_path, "stress", mode)
 
 
+@pytest.mark.cluster
 @_needs_cuda
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_synchronisations_per_chunk(tmp_path: Path, mode: str) -> None:
@@ -434,6 +439,7 @@ def test_cuda_synchronisations_per_chunk(tmp_path: Path, mode: str) -> None:
         print(json.loads((tmp_path / f"syncs{r}.json").read_text()))  # the figures, with -s
 
 
+@pytest.mark.cluster
 @_needs_cuda
 def test_cuda_hierarchical_out_on_the_device(tmp_path: Path) -> None:
     _cuda_job(tmp_path, "hier", "host", "--colocate", "--hierarchical")

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -53,21 +52,12 @@ from gradpress.ps.protocol import (
 from gradpress.ps.server import ServerEngine
 from gradpress.ps.transport import CTRL_TAG, INLINE_BYTES, Transport, inline_payload
 from gradpress.ps.worker import WorkerEngine
-from test_launch import _marked
-
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="uses /proc and SIGKILL")
+from helpers import assert_no_leftovers, free_port
 
 WAIT_S = 240  # bound of every wait for a whole job (generous: shared, loaded machines)
 
 
 # == helpers ======================================================================================
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _manual_env(port: int, rank: int, role: str, **extra: str) -> dict[str, str]:
     """Environment of one process of a 2-worker, 1-server job started without a launcher."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3",
@@ -119,10 +109,7 @@ def _communicate(p: subprocess.Popen, marker: str) -> str:
         p.kill()
         out = p.communicate()[0]
         pytest.fail(f"launcher still running after {WAIT_S} s:\n{out}")
-    deadline = time.monotonic() + 10
-    while _marked(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _marked(marker) == [], f"processes left behind:\n{out}"
+    assert_no_leftovers(marker, 10, out)
     return out
 
 
@@ -153,12 +140,13 @@ TRAIN = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_killed_worker_ends_every_process_naming_it(tmp_path: Path) -> None:
     """No launcher: the server sees worker 1's connection close and exits naming it; worker 0,
     busy computing, learns it from the watchdog and is ended within GRADPRESS_TIMEOUT."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    port = _free_port()
+    port = free_port()
     common = {"GRADPRESS_TIMEOUT": "8", "GRADPRESS_WATCHDOG_INTERVAL": "0.5",
               "KILL_RANK": "1", "BUSY_RANK": "0"}
     procs = [_start([sys.executable, str(script)], _manual_env(port, r, "worker", **common),
@@ -173,6 +161,7 @@ def test_killed_worker_ends_every_process_naming_it(tmp_path: Path) -> None:
     assert "worker 1 (rank 1)" in w0.split("ending it")[-1], w0
 
 
+@pytest.mark.cluster
 def test_killed_server_stops_the_launch_with_a_named_error(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
@@ -360,6 +349,7 @@ HOSTILE_GLOO = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("mode", ["separate", "inline"])
 def test_truncated_payload_over_gloo_is_rejected(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "hostile.py"
@@ -458,11 +448,12 @@ AUTH_JOB = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_processes_with_wrong_or_missing_secret_are_refused_and_the_job_runs(
         tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(AUTH_JOB)
-    port, secret = _free_port(), "correct horse battery staple"
+    port, secret = free_port(), "correct horse battery staple"
     env = {"GRADPRESS_TIMEOUT": "60", "GRADPRESS_SECRET": secret}
     job = [_start([sys.executable, str(script)], _manual_env(port, 0, "worker", **env),
                   tmp_path / "w0.log"),
@@ -559,6 +550,7 @@ def _slope_kb_per_step(ys: list[int]) -> float:
                                                                  for x in range(n))
 
 
+@pytest.mark.cluster
 def test_soak_memory_flat_no_thread_leaks_secret_in_env_loopback_only(tmp_path: Path) -> None:
     script = tmp_path / "soak.py"
     script.write_text(SOAK)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster  # every test here starts real processes
+
 # Both scripts start alike: a session's optimizer of a small MLP on 2 workers.
 START = textwrap.dedent('''
     import inspect, json, sys

@@ -98,7 +98,6 @@ def test_option_and_its_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 
 
 def test_writer_round_trip(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
     w = tb.TensorBoardWriter(tmp_path / "tb")
     for rec in _records():
         w.write(rec)
@@ -125,12 +124,12 @@ def _train(out: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def tb_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    pytest.importorskip("tensorboard")
     out = tmp_path_factory.mktemp("tb") / "run"
     p = _train(out, "--steps", "4", "--eval-every", "2")  # the default: on when installed
     return out, p.stdout
 
 
+@pytest.mark.cluster
 def test_train_writes_the_metrics_as_tensorboard_scalars(tb_run: tuple[Path, str]) -> None:
     out, stdout = tb_run
     assert f"TensorBoard scalars in {out / 'tensorboard'}" in stdout
@@ -170,6 +169,7 @@ def test_train_writes_the_metrics_as_tensorboard_scalars(tb_run: tuple[Path, str
                                                                    rel=1e-5)
 
 
+@pytest.mark.cluster
 def test_no_tensorboard_writes_no_event_files(tb_run: tuple[Path, str], tmp_path: Path) -> None:
     out = tmp_path / "run"
     shutil.copytree(tb_run[0], out)  # an earlier run's event files must not stay
@@ -188,8 +188,8 @@ def _doc_script() -> str:
     return m.group(1)
 
 
+@pytest.mark.cluster
 def test_the_documented_script_writes_scalars(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
     (tmp_path / "train.py").write_text(_doc_script())
     cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
            "--", sys.executable, "train.py"]

@@ -4,59 +4,18 @@ and under ``gradpress launch``; every layout gives the same bits."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT, check_training, free_port, results, run_env, torchrun
+
+pytestmark = pytest.mark.cluster  # every test here starts real processes
+
 SCRIPT = ROOT / "examples" / "torchrun_train.py"
 STEPS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_env(**extra: str) -> dict[str, str]:
-    """The test's environment, one thread per process, the worktree's sources first."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADPRESS_")}
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
-    return env | {"OMP_NUM_THREADS": "1", "GRADPRESS_TIMEOUT": "60"} | extra
-
-
-def torchrun(nproc: int, script: Path, args: list[str], env: dict[str, str],
-             timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    return p
-
-
-def results(out: Path, workers: int) -> list[dict]:
-    files = sorted(out.glob("rank*.json"))
-    assert [f.name for f in files] == [f"rank{r}.json" for r in range(workers)], files
-    return [json.loads(f.read_text()) for f in files]
-
-
-def check_training(runs: list[dict], max_ratio: float, loss_ratio: float = 0.8) -> None:
-    """Replicas bit-identical, loss down (the last 10 steps' mean below ``loss_ratio`` times
-    the first 10 steps'), bytes below ``max_ratio`` times fp32's."""
-    assert len({r["param_hash"] for r in runs}) == 1, [r["param_hash"] for r in runs]
-    for r in runs:
-        losses = r["losses"]
-        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        assert last < loss_ratio * first, (first, last)
-        s = r["stats"]
-        assert 0 < s["bytes_pushed"] < max_ratio * s["dense_fp32_bytes"], s
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from gradpress.train.hparams import lr_factor
 from gradpress.train.report import format_run, plot_runs, read_metrics, run_report
 from gradpress.train.session import codec_ratios
 from gradpress.train.tensorboard import available as tensorboard_available
-from test_launch import _marked
+from helpers import LineWatch, assert_no_leftovers
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "bytes_per_step.png")
@@ -188,6 +188,7 @@ def test_bad_input_fails_before_any_process_starts(tmp_path: Path,
         prepare_out_dir(blocker)
 
 
+@pytest.mark.cluster
 def test_cli_reports_bad_input_as_usage_error(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn",
            "--optimizer", "adagrad", "--out", str(tmp_path)]  # the `gradpress` command
@@ -277,6 +278,7 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 def test_script_mode_run_directory(tmp_path: Path) -> None:
     script = tmp_path / "my_train.py"
     script.write_text(SCRIPT)
@@ -299,6 +301,7 @@ def test_script_mode_run_directory(tmp_path: Path) -> None:
     _pngs_ok(out)
 
 
+@pytest.mark.cluster
 def test_demo_end_to_end_short(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     p = subprocess.run(_cli("demo", "--steps", "2", "--out", str(out), "--no-progress"),
@@ -322,7 +325,7 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
     _pngs_ok(out, (*PLOTS, "eval_vs_step.png"))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+@pytest.mark.cluster
 @pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c", "ctrl-c-twice"])
 def test_sigint_stops_everything_and_keeps_partial_metrics(tmp_path: Path, presses: int) -> None:
     out, marker = tmp_path / "run", uuid.uuid4().hex
@@ -331,24 +334,24 @@ def test_sigint_stops_everything_and_keeps_partial_metrics(tmp_path: Path, press
                               "--compression", "onebit", "--no-progress", "--out", str(out)),
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
+    lines = [LineWatch(p.stdout), LineWatch(p.stderr)]
     try:
         deadline = time.monotonic() + 120
         while sum(r["kind"] == "step" for r in read_metrics(out / "metrics.jsonl")) < 3:
-            assert p.poll() is None, p.communicate()
+            assert p.poll() is None, [w.text()[-2000:] for w in lines]
             assert time.monotonic() < deadline, "no training steps within 120 s"
             time.sleep(0.2)
-        for _ in range(presses):  # a second Ctrl-C while stopping must not lose the report
-            os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the foreground process group
-            time.sleep(0.3)
-        stdout, stderr = p.communicate(timeout=60)
+        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the foreground process group
+        if presses == 2:  # a second Ctrl-C once the launcher is stopping must not lose the report
+            lines[1].wait_for("received SIGINT; stopping all processes")
+            os.killpg(p.pid, signal.SIGINT)  # the group leader is not reaped yet: it exists
+        p.wait(60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+    stdout, stderr = (w.close() for w in lines)
     assert p.returncode == 130, stdout[-2000:] + stderr[-2000:]
-    deadline = time.monotonic() + 10
-    while _marked(marker):
-        assert time.monotonic() < deadline, f"processes left: {_marked(marker)}"
-        time.sleep(0.1)
+    assert_no_leftovers(marker, 10)
     recs = read_metrics(out / "metrics.jsonl")
     assert sum(r["kind"] == "step" for r in recs) >= 3
     assert recs[-1]["kind"] == "end" and recs[-1]["status"] == "interrupted"  # rank 0 noted it

@@ -36,6 +36,7 @@ from gradpress.train.checkpoints import (
 )
 from gradpress.train.report import read_metrics
 from gradpress.train.restarts import last_step, start_from, trim_metrics
+from helpers import pid_of
 
 STEPS, EVERY = 40, 20
 RUN = ("--task", "digits-cnn", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
@@ -188,6 +189,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.cluster
 def test_checkpoints_and_params_sha256_of_a_run(reference: Path) -> None:
     rep = _report(reference)
     assert rep["status"] == "completed" and rep["steps"] == STEPS
@@ -200,6 +202,7 @@ def test_checkpoints_and_params_sha256_of_a_run(reference: Path) -> None:
                                                          "server0.pt"}
 
 
+@pytest.mark.cluster
 def test_resumed_run_is_bit_identical(reference: Path, tmp_path: Path) -> None:
     ckpt = shutil.copytree(reference / "checkpoints" / "step-20", tmp_path / "ckpt")
     out = tmp_path / "run"
@@ -211,6 +214,7 @@ def test_resumed_run_is_bit_identical(reference: Path, tmp_path: Path) -> None:
     assert rep["steps"] == STEPS - EVERY  # a fresh directory: only the steps run here
 
 
+@pytest.mark.cluster
 def test_auto_resume_falls_back_past_a_corrupt_checkpoint(reference: Path,
                                                           tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -236,22 +240,6 @@ def test_auto_resume_falls_back_past_a_corrupt_checkpoint(reference: Path,
     assert rep["wall_s"] >= times[-1] > times[EVERY - 1]
 
 
-def _pid(marker: str, role: str, rank: int | None = None) -> int | None:
-    """The PID of the job's process with this role (and ``RANK``), from ``/proc``."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (f"GP_TEST_MARKER={marker}".encode() in env
-                and f"GRADPRESS_ROLE={role}".encode() in env
-                and (rank is None or f"RANK={rank}".encode() in env)):
-            return int(entry)
-    return None
-
-
 def _starts(out: Path) -> int:
     return sum(r["kind"] == "start" for r in read_metrics(out / "metrics.jsonl"))
 
@@ -265,7 +253,7 @@ FAILURES = {"worker-killed": ("worker", 1, signal.SIGKILL, None),
             "before-any-checkpoint": ("worker", 0, signal.SIGKILL, None)}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
+@pytest.mark.cluster
 @pytest.mark.parametrize("failure", list(FAILURES))
 def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
                                            failure: str) -> None:
@@ -284,7 +272,7 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
             assert p.poll() is None, p.communicate()
             assert time.monotonic() < deadline, "no step past the checkpoint within 180 s"
             time.sleep(0.01)
-        pid = _pid(marker, role, rank)
+        pid = pid_of(marker, role, rank)
         assert pid is not None
         os.kill(pid, sig)
         failed_at, failed_step = time.monotonic(), last_step(out / "metrics.jsonl")
@@ -313,6 +301,7 @@ def test_failed_job_restarts_bit_identical(reference: Path, tmp_path: Path,
         assert recovery_s < 30 + (float(timeout) if timeout else 0.0)
 
 
+@pytest.mark.cluster
 def test_onebit_lans_resume_keeps_each_workers_optimizer_state(tmp_path: Path) -> None:
     """OneBitLANS keeps a second moment per worker (``per_worker_state``): each worker's own
     optimizer state must come back, not worker 0's broadcast."""

@@ -151,6 +151,7 @@ JOB = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("inflight", [256 << 20, 1], ids=["room", "one-chunk-budget"])
 def test_pushes_on_both_sides_of_the_limit_sum_exactly_over_gloo(tmp_path: Path,
                                                                    inflight: int) -> None:

@@ -109,7 +109,7 @@ class BucketCodecs:
         lo, hi = self.bounds[rank]
         self.server: Codec = build(hi - lo)
         self.slot = max(c.payload_bytes for c in self.workers)
-        u8 = dict(dtype=torch.uint8, device=device)
+        u8: dict[str, Any] = dict(dtype=torch.uint8, device=device)
         self.send = torch.zeros(world * self.slot, **u8)
         self.recv = torch.zeros(world * self.slot, **u8)
         self.agg = torch.zeros(self.slot, **u8)
@@ -201,7 +201,8 @@ class BucketExchange:
         # nothing (ATen/core/ivalue_inl.h, Future::markCompleted: "users using CUDA values but
         # forgetting to set devices ... silent synchronization/correctness issue"), so DDP could
         # read the bucket before those kernels ran. CPU buckets keep the plain future.
-        devices = [buffer.device] if buffer.device.type == "cuda" else None
+        devices: list[int | str | torch.device] | None = \
+            [buffer.device] if buffer.device.type == "cuda" else None
         self.future: torch.futures.Future = torch.futures.Future(devices=devices)
 
     def label(self, shard: int) -> str:

@@ -277,8 +277,9 @@ class TwoWayCompressionState:
             out = codecs.payload(codecs.send, s, s)
             codecs.workers[s].compress(buf[lo:hi], key=bucket_key(index, s, world), step=step,
                                        lr=self.lr, out=out)
-            if codecs.workers[s].last_finite is not None:  # a device payload: no raise above
-                mark_rejected(out, codecs.workers[s].last_finite)
+            finite = codecs.workers[s].last_finite
+            if finite is not None:  # a device payload: no raise above
+                mark_rejected(out, finite)
         # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
         work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
         deferred = self._defer if self._defer is not None else buf.device.type == "cuda"
@@ -333,7 +334,7 @@ class TwoWayCompressionState:
                 self._checks.append(DeviceCheck(job, finish_deferred(job)))
             else:
                 finish(job)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - handed to DDP through the bucket's future
             self._error = self._error or _describe(e)
             _set_exception(job.future, e)
             return
@@ -394,7 +395,7 @@ def _set_exception(fut: torch.futures.Future, exc: BaseException) -> None:
     interpreter exit, where gloo aborts ("terminate called without an active exception")."""
     try:
         detached = copy.copy(exc) if isinstance(exc, Exception) else None
-    except Exception:  # an exception type that cannot be rebuilt from its args
+    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt from its args
         detached = None
     if detached is None:
         detached = RuntimeError(_describe(exc))

@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,7 +124,7 @@ class _Stop(Exception):
     """Raised by the signal handler to unwind the launcher."""
 
 
-def _pdeathsig() -> object:
+def _pdeathsig() -> Callable[[], None] | None:
     """A preexec function making the child die with the launcher (Linux; no-op elsewhere)."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
@@ -171,7 +171,7 @@ def _spawn(cfg: LaunchConfig, port: int) -> list[_Child]:
         for role, index, rank, local, local_size, argv in plan:
             env = _child_env(cfg, port, role, rank, local, local_size)
             popen = subprocess.Popen(argv, env=env, start_new_session=True,
-                                     preexec_fn=preexec)  # type: ignore[arg-type]
+                                     preexec_fn=preexec)
             children.append(_Child(role, index, rank, popen))
     except OSError as e:
         _terminate(children, cfg.grace_s)

@@ -239,6 +239,8 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
     at interpreter exit; call ``gradpress.shutdown()`` to end it earlier.
     """
 
+    optimizers: list[torch.optim.Optimizer]  # DDPStrategy's property, set in setup_optimizers
+
     _KIND = "parameter_server"
 
     def __init__(self, compression: str | Mapping[str, Any] | CodecSpec | None
@@ -299,7 +301,7 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
         named = list(self.lightning_module.named_parameters())
-        wrapped = []
+        wrapped: list[torch.optim.Optimizer] = []
         for opt in self.optimizers:
             patched = opt.__dict__.pop("step", None)  # an LR scheduler's wrapper of opt.step
             new = DistributedOptimizer(opt, named_parameters=named,

@@ -97,7 +97,8 @@ def parse_rate(rate: str | int | float) -> str:
             raise ValueError(f"rate must be > 0 bits/s, got {rate!r}")
         return f"{int(rate)}bit"
     text = rate.strip().lower()
-    if not _RATE_RE.match(text) or float(re.match(r"[\d.]+", text).group()) <= 0:
+    number = re.match(r"[\d.]+", text)
+    if not _RATE_RE.match(text) or number is None or float(number.group()) <= 0:
         raise ValueError(f"rate {rate!r} is not a positive tc rate; expected e.g. '1gbit', "
                          f"'100mbit', '500kbit'")
     return text
@@ -111,7 +112,7 @@ _RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
 def rate_bits_per_second(rate: str | int | float) -> float:
     """Bits per second of a rate accepted by :func:`parse_rate` (``"100mbit"`` -> ``1e8``)."""
     text = parse_rate(rate)
-    number = re.match(r"[\d.]+", text).group()  # type: ignore[union-attr] - parse_rate checked
+    number = re.match(r"[\d.]+", text).group()  # type: ignore[union-attr]  # parse_rate checked
     return float(number) * _RATE_UNITS[text[len(number):]]
 
 

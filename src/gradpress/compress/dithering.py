@@ -263,9 +263,9 @@ class Dithering(Codec):
             else:
                 out.copy_(vals)
             return
-        norm = float(body[self.code_bytes:].numpy().view(np.float32)[0])
-        table = (self._signed_levels * (norm * alpha)).astype(np.float32)
-        (K.decode_add if add else K.decode)(codes.numpy(), self.bits, table, out.numpy())
+        host_norm = float(body[self.code_bytes:].numpy().view(np.float32)[0])
+        host_table = (self._signed_levels * (host_norm * alpha)).astype(np.float32)
+        (K.decode_add if add else K.decode)(codes.numpy(), self.bits, host_table, out.numpy())
 
     def _levels_on(self, device: torch.device) -> torch.Tensor:
         t = self._dev_levels.get(str(device))

@@ -72,6 +72,8 @@ class ErrorFeedback(CodecWrapper):
             from (seed, key, step), i.e. ``randomk``).
     """
 
+    kind: str
+
     def __init__(self, codec: Codec, *, kind: str | EFSpec = "vanilla") -> None:
         super().__init__(codec)
         if isinstance(codec, ErrorFeedback):
@@ -153,7 +155,9 @@ class ErrorFeedback(CodecWrapper):
                   h: Header) -> bool:
         ratio = self._lr_ratio(h.lr)  # no side effect: no anneal here
         self._ensure_buffers(body.device)
-        if not self.inner._encode_sum_ef(bodies, divisor, self._e, ratio, body):
+        # only codecs with a fused sum (onebit) reach here
+        if not self.inner._encode_sum_ef(  # type: ignore[attr-defined]
+                bodies, divisor, self._e, ratio, body):
             return False  # rejected: the residual is untouched
         self._pending, self._pending_lr = None, h.lr  # _commit: lr_prev, e written in place
         return True
@@ -189,6 +193,7 @@ class ErrorFeedback(CodecWrapper):
         paths raise before writing it; torch paths leave ``p - D(c)`` pending in the scratch
         for :meth:`_commit`). Returns the device finiteness flag of the torch paths."""
         e, p = self._e, self._spare
+        assert e is not None and p is not None  # _ensure_buffers ran
         inner = self.inner
         fused = getattr(inner, "_encode_ef_fused", None)
         # 1.-3. fused (numba): p = x + ratio * e, c = C(p) into body and e = p - D(c) in as few
@@ -236,15 +241,19 @@ class ErrorFeedback(CodecWrapper):
         """Sparse EF (randomk): only the selected positions are read and cleared; the
         positions are computed once per step, on the residual's device."""
         e, inner = self._e, self.inner
+        assert e is not None  # _ensure_buffers ran
+        # randomk's own methods (kind "sparse" is refused in __init__ for other codecs)
         if not inner.use_torch(flat.device):
             if self.nan_policy == "raise":
                 self._check_finite(flat, h.key)  # before e is touched: a rejected x leaves e
             e.add_(flat)  # 1. e += x (full pass)
-            inner._gather_clear(e, body, h.key, h.step)  # 2. send e[idx]; 3. e[idx] = 0 (numba)
+            inner._gather_clear(e, body, h.key, h.step)  # type: ignore[attr-defined]
+            # 2. send e[idx]; 3. e[idx] = 0 (numba)
             return None
         # torch ops: 2. send (e + x)[idx] (the same float32 sums), 1. and 3. in _commit
-        idx = inner.indices(h.key, h.step, device=e.device)
-        inner._values_f32(body, 0).copy_(e.index_select(0, idx) + flat.index_select(0, idx))
+        idx = inner.indices(h.key, h.step, device=e.device)  # type: ignore[attr-defined]
+        vals = inner._values_f32(body, 0)  # type: ignore[attr-defined]
+        vals.copy_(e.index_select(0, idx) + flat.index_select(0, idx))
         self._pending = ("sparse", flat, idx)
         return torch.isfinite(flat).all() if self.nan_policy == "raise" else None
 
@@ -253,6 +262,7 @@ class ErrorFeedback(CodecWrapper):
         """Sparse EF steps 1 and 3: e += x, e[idx] = 0 (the sent values are exact fp32, so the
         sent mass leaves the residual); with a device flag only where it holds."""
         e = self._e
+        assert e is not None  # a step is pending
         if flag is None:
             e.add_(flat)
             e.index_fill_(0, idx, 0.0)

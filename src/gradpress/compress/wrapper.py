@@ -18,7 +18,7 @@ class CodecWrapper(Codec):
     """Base of stateful wrappers: same wire identity as ``inner`` (name, codec id, numel,
     payload size, fingerprint, spec text); decoding and header checks are delegated to it."""
 
-    def __init__(self, inner: Codec) -> None:  # noqa: D107 - Codec.__init__ is not called
+    def __init__(self, inner: Codec) -> None:
         if not isinstance(inner, Codec):
             raise TypeError(f"{type(self).__name__} wraps a Codec, got {type(inner).__name__}")
         self.inner = inner
@@ -26,9 +26,9 @@ class CodecWrapper(Codec):
                      "fingerprint", "payload_bytes"):
             setattr(self, attr, getattr(inner, attr))
 
-    name = property(lambda self: self.inner.name)  # type: ignore[assignment]
-    codec_id = property(lambda self: self.inner.codec_id)  # type: ignore[assignment]
-    checks_finite = property(lambda self: self.inner.checks_finite)  # type: ignore[assignment]
+    name = property(lambda self: self.inner.name)
+    codec_id = property(lambda self: self.inner.codec_id)
+    checks_finite = property(lambda self: self.inner.checks_finite)
 
     # the codec hooks are the inner codec's (stateless) ones
     def _body_bytes(self) -> int:

@@ -265,7 +265,7 @@ def adam_denominators(b: Bucket, beta2: float, eps: float, bias_correction: bool
          for t in b.steps]
     d = torch._foreach_sqrt(b.exp_avg_sqs)
     torch._foreach_add_(d, [eps * si for si in s])
-    return d, s
+    return d, s  # type: ignore[return-value]  # foreach ops return lists
 
 
 def direction(num: list[torch.Tensor], d: list[torch.Tensor] | None, scale: list[float],
@@ -276,14 +276,14 @@ def direction(num: list[torch.Tensor], d: list[torch.Tensor] | None, scale: list
         out = torch._foreach_mul(num, scale)
         if wd != 0:
             torch._foreach_add_(out, torch._foreach_mul(params, wd))
-        return out
+        return out  # type: ignore[return-value]  # foreach ops return lists
     if wd != 0:
         out = torch._foreach_mul(params, wd)
         torch._foreach_addcdiv_(out, num, d, scale)
     else:
         out = torch._foreach_div(num, d)
         torch._foreach_mul_(out, scale)
-    return out
+    return out  # type: ignore[return-value]  # foreach ops return lists
 
 
 # -- fused CPU kernels ---------------------------------------------------------------------------

@@ -144,11 +144,13 @@ class Watched:
     def _check_health(self, b: Bucket, step: list[torch.Tensor], probes: dict[int, Any]
                       ) -> None:
         """Watch steps 2-3: the step's cosine with the exact average of the probes."""
+        watch = self.watch
         for j, pending in probes.items():
+            assert watch is not None  # _send_probes takes probes only with a watch
             exact = pending.wait() if hasattr(pending, "wait") else pending
             i = b.indices[j]
             label = self.param_names.get(i, f"parameter {i}")
-            self.watch.check(self.state[b.params[j]], label, b.steps[j], step[j], exact)
+            watch.check(self.state[b.params[j]], label, b.steps[j], step[j], exact)
 
     def _param(self, index: int) -> torch.Tensor:
         """The parameter at flat position ``index`` of ``param_groups``."""

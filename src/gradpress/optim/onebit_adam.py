@@ -170,10 +170,10 @@ class OneBitAdam(BucketedOptimizer):
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the model, returns the loss."""
         loss = self._closure_loss(closure)
-        stages = []
+        stages: list[tuple[Bucket, dict[str, Any], Any]] = []
         for b, group in self._bucketed():
             fs = group["dense_steps"]
-            warm, comp = _split(b, lambda t, fs=fs: t <= fs)
+            warm, comp = _split(b, lambda t, fs=fs: t <= fs)  # type: ignore[misc]
             beta1, beta2 = group["betas"]
             if warm.params:
                 # Step 1: Adam moments on the (uncompressed-averaged) gradient.

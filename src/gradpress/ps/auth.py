@@ -146,7 +146,8 @@ def _join(auth: dist.Store, secret: str | None, me: str, rank: int, verifier: st
                         f"job without one: give every process the same secret")
     cid = secrets.token_hex(16)
     given = proof(secret, "gradpress-join", nonce, me, cid) if secret else "-"
-    auth.append(f"resp/{rank}", f"{cid} {given}\n")  # step 2
+    # step 2 (Store.append is not in torch's stubs)
+    auth.append(f"resp/{rank}", f"{cid} {given}\n")  # type: ignore[attr-defined]
     if nonce != OPEN and not secret:
         raise AuthError(f"{me} was refused: this job requires the job secret, and "
                         f"GRADPRESS_SECRET is not set in this process")
@@ -165,6 +166,6 @@ def _join(auth: dist.Store, secret: str | None, me: str, rank: int, verifier: st
 def _wait_get(auth: dist.Store, key: str, timeout: float, message: str) -> str:
     try:
         auth.wait([key], datetime.timedelta(seconds=timeout))
-    except Exception as e:  # noqa: BLE001 - torch raises DistStoreError/RuntimeError on timeout
+    except Exception as e:
         raise CommTimeoutError(message, stage="rendezvous") from e
     return auth.get(key).decode(errors="replace")

@@ -314,7 +314,7 @@ def compress_chunk(job: ChunkJob, device_mode: bool) -> None:
     """Step 2: compress ``job.x`` into ``job.send`` (on the host, or where it lives when
     ``device_mode``); on CUDA after the event recorded at submit, on the engine's copy stream."""
     chunk, x, send = job.chunk, job.x, job.send
-    kw = {"key": chunk.key, "step": job.step, "lr": job.lr}
+    kw: dict[str, Any] = {"key": chunk.key, "step": job.step, "lr": job.lr}
     if job.stream is None:  # CPU (or a device without streams: a blocking copy)
         src = x if x.device.type == "cpu" or device_mode else x.to("cpu", copy=True)
         chunk.enc.compress(src, out=send, **kw)

@@ -126,7 +126,7 @@ def load_file(path: str | os.PathLike, what: str) -> dict[str, Any]:
         raise ValueError(f"{what}: checkpoint file {path} does not exist")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+    except Exception as e:
         raise ValueError(f"{what}: cannot read checkpoint file {path}: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise ValueError(f"{what}: {path} is not a gradpress checkpoint file of format {FORMAT}")

@@ -156,7 +156,7 @@ class Transfer:
         limit = _FOREVER if timeout <= 0 else datetime.timedelta(seconds=timeout)
         try:
             self._work.wait(limit)  # type: ignore[attr-defined]
-        except Exception as e:  # noqa: BLE001 - gloo reports everything as RuntimeError
+        except Exception as e:
             raise self._error(e, timeout, stage) from e
         if self._frame is not None:
             self._check_frame(stage)

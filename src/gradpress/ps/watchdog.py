@@ -128,7 +128,8 @@ class Watchdog:
         if cause is None and (err := self.local_error()) is not None:  # step 2
             cause = f"{self.me}: {type(err).__name__}: {err}"
             assert self._prefixed is not None
-            self._prefixed.append("errors", cause + "\n")  # as Cluster.report_error does
+            self._prefixed.append(  # type: ignore[attr-defined]  # not in torch's stubs
+                "errors", cause + "\n")  # as Cluster.report_error does
         return cause
 
     def _recorded_failure(self) -> str | None:

@@ -275,6 +275,7 @@ class WorkerEngine:
 
     def _push(self, job: ChunkJob) -> None:  # steps 2-3
         chunk, send, t0 = job.chunk, job.send, time.perf_counter()
+        assert send is not None and job.recv is not None  # taken by _dispatch
         compress_chunk(job, self.cfg.compress_on == "device")
         t1 = time.perf_counter()
         dst, label = chunk.server_rank, chunk.label

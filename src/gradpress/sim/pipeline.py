@@ -345,7 +345,8 @@ class _Sim:
                  self.rates.seconds("decompress", c.numel)),
                 (self.h2d[node], c.dense_bytes / cfg.pcie),                        # to GPU
                 (self.nvlink[node] if multi else None, c.dense_bytes / cfg.nvlink)]  # bcast
-            self.chain(t, steps, lambda t2, name=c.tensor: self.finish(t2, name))
+            self.chain(t, steps,
+                       lambda t2, name=c.tensor: self.finish(t2, name))  # type: ignore[misc]
 
     def finish(self, t: float, tensor: str) -> None:
         self.done[tensor] = max(self.done.get(tensor, 0.0), t)

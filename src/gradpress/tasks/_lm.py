@@ -21,8 +21,9 @@ def normal_init(module: nn.Module) -> None:
     (``nn.LayerNorm``'s own defaults); for ``model.apply``."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+        bias: torch.Tensor | None = getattr(module, "bias", None)  # Embedding has none
+        if bias is not None:
+            nn.init.zeros_(bias)
     elif isinstance(module, nn.MultiheadAttention):
         nn.init.normal_(module.in_proj_weight, std=0.02)
         nn.init.zeros_(module.in_proj_bias)

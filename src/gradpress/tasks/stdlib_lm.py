@@ -42,6 +42,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -214,8 +215,9 @@ class StdlibLMTask(Task):
                  n_heads: int = 4, d_ff: int = 256, dropout: float = 0.0,
                  num_val_sequences: int = 256, eval_batch_size: int = 128) -> None:
         check_sizes(seq_len, num_val_sequences, eval_batch_size)
-        self.model_kwargs = dict(seq_len=seq_len, d_model=d_model, n_layers=n_layers,
-                                 n_heads=n_heads, d_ff=d_ff, dropout=dropout)
+        self.model_kwargs: dict[str, Any] = dict(
+            seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
+            dropout=dropout)
         corpus = load_topics_corpus()
         self._set_sequences(to_causal_sequences(corpus.train, seq_len),
                             to_causal_sequences(corpus.validation, seq_len),

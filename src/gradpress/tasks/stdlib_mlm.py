@@ -33,6 +33,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -205,8 +206,9 @@ class StdlibMLMTask(Task):
         if num_val_sequences < 1 or eval_batch_size < 1:
             raise ValueError(f"num_val_sequences and eval_batch_size must be >= 1, got "
                              f"{num_val_sequences} and {eval_batch_size}")
-        self.model_kwargs = dict(seq_len=seq_len, d_model=d_model, n_layers=n_layers,
-                                 n_heads=n_heads, d_ff=d_ff, dropout=dropout)
+        self.model_kwargs: dict[str, Any] = dict(
+            seq_len=seq_len, d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=d_ff,
+            dropout=dropout)
         self.mask_prob = mask_prob
         self.eval_batch_size = eval_batch_size
         corpus = load_stdlib_corpus(max_bytes)

@@ -86,9 +86,9 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
 
     grp, src = _group_and_root(root_rank)
     root = api.rank() == root_rank
-    box = [host_pickle(obj) if root else None]
+    box: list[Any] = [host_pickle(obj) if root else None]
     dist.broadcast_object_list(box, src=src, group=grp)
-    return obj if root else pickle.loads(box[0])  # noqa: S301 - bytes from our own root
+    return obj if root else pickle.loads(box[0])  # bytes from our own root
 
 
 def shared_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, A
                              f"{len(s.get('params', ()))} parameters, the optimizer's "
                              f"{len(g['params'])}")
     optimizer.state.clear()
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(state)  # type: ignore[arg-type]  # any mapping; the stubs say dict
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:

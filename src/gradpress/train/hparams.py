@@ -20,7 +20,7 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
     if cfg.lr is None and defaults is None:
         raise ValueError("TrainConfig.lr is required without a bundled task (give --lr)")
     hp = {
-        "lr": cfg.lr if cfg.lr is not None else defaults.lr_for(family),
+        "lr": cfg.lr if cfg.lr is not None else defaults.lr_for(family),  # type: ignore[union-attr]
         "weight_decay": _first(cfg.weight_decay, getattr(defaults, "weight_decay", None),
                                default_values.WEIGHT_DECAY),
         "warmup_steps": _first(cfg.warmup_steps, getattr(defaults, "warmup_steps", None), 0),

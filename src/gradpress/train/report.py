@@ -43,7 +43,7 @@ class MetricsWriter:
     def __init__(self, path: str | Path, append: bool = False) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a" if append else "w",  # noqa: SIM115 - closed in close()
+        self._f = open(self.path, "a" if append else "w",
                        encoding="utf-8")
 
     def write(self, record: Mapping[str, Any]) -> None:

@@ -142,7 +142,7 @@ def sumsq(x: np.ndarray) -> float:
 
 # -- steps 2-3: quantize a block into codes -----------------------------------------------------
 @numba.njit(cache=True, nogil=True, inline="always")
-def _uniform24(i, k0, k1):
+def _uniform24(i, k0, k1):  # type: ignore[no-untyped-def]
     """A uniform float32 in [0, 1) on the 2**-24 grid: the top 24 bits of hash32 (exact)."""
     return np.float32(np.int32(hash32(np.uint32(i), k0, k1) >> _U8)) * _INV24
 
@@ -150,7 +150,8 @@ def _uniform24(i, k0, k1):
 # Integer intermediates are cast to 32 bits on purpose: numba widens to 64 bits, and 32-bit
 # lanes let LLVM vectorise twice as wide.
 @numba.njit(cache=True, nogil=True)
-def _quantize_linear(x, xb, start, codes, sbit, s, pre, scale, k0, k1):
+def _quantize_linear(  # type: ignore[no-untyped-def]
+        x, xb, start, codes, sbit, s, pre, scale, k0, k1):
     # x, xb: the block (float32 and its uint32 bits); start: index of x[0] (hash counter)
     sf = np.float32(s)
     top = np.int32(s - 1)
@@ -163,7 +164,8 @@ def _quantize_linear(x, xb, start, codes, sbit, s, pre, scale, k0, k1):
 
 
 @numba.njit(cache=True, nogil=True)
-def _quantize_natural(x, xb, start, codes, sbit, s, pre, scale, k0, k1):
+def _quantize_natural(  # type: ignore[no-untyped-def]
+        x, xb, start, codes, sbit, s, pre, scale, k0, k1):
     c2 = np.float32(2.0 ** (s - 1))
     e_min = np.int32(128 - s)  # biased float32 exponent of level 1 = 2**(1-s)
     off = np.int32(127 - s)
@@ -184,7 +186,7 @@ def _quantize_natural(x, xb, start, codes, sbit, s, pre, scale, k0, k1):
 
 # -- step 4: pack / unpack b-bit codes (LSB-first) ----------------------------------------------
 @numba.njit(cache=True, nogil=True)
-def _pack(codes, ngroups, b, out):
+def _pack(codes, ngroups, b, out):  # type: ignore[no-untyped-def]
     """Pack ``8 * ngroups`` codes into the ``b * ngroups`` bytes ``out``."""
     if b == 8:
         for j in range(8 * ngroups):
@@ -208,7 +210,7 @@ def _pack(codes, ngroups, b, out):
 
 
 @numba.njit(cache=True, nogil=True)
-def _unpack(body, ngroups, b, codes):
+def _unpack(body, ngroups, b, codes):  # type: ignore[no-untyped-def]
     """Unpack ``8 * ngroups`` codes from the ``b * ngroups`` bytes ``body`` (b not in 2, 4, 8)."""
     ub = np.uint64(b)
     mask = np.uint64((1 << b) - 1)
@@ -221,7 +223,7 @@ def _unpack(body, ngroups, b, codes):
 
 
 @numba.njit(cache=True, nogil=True)
-def _store(codes, m, b, out, o, tmp):
+def _store(codes, m, b, out, o, tmp):  # type: ignore[no-untyped-def]
     """Pack ``m`` codes (a whole block, or the zero-padded tail) to ``out[o:]``."""
     ngroups = (m + 7) // 8
     if m % 8 == 0:
@@ -234,7 +236,7 @@ def _store(codes, m, b, out, o, tmp):
 
 
 @numba.njit(cache=True, nogil=True)
-def _load(body, o, m, b, codes, tmp):
+def _load(body, o, m, b, codes, tmp):  # type: ignore[no-untyped-def]
     """Unpack ``m`` codes from ``body[o:]`` (a whole block, or the tail via a padded copy)."""
     ngroups = (m + 7) // 8
     if m % 8 == 0:
@@ -248,7 +250,7 @@ def _load(body, o, m, b, codes, tmp):
 
 # -- entry points -------------------------------------------------------------------------------
 @numba.njit(cache=True, nogil=True)
-def encode_linear(x, out, b, s, pre, scale, k0, k1):
+def encode_linear(x, out, b, s, pre, scale, k0, k1):  # type: ignore[no-untyped-def]
     """Quantize float32 ``x`` to the linear grid and pack into ``out`` (``ceil(n*b/8)`` bytes).
 
     ``pre``/``scale`` are float32 (``y = (|x| * pre) * scale = s * |x| / norm``), ``k0``/``k1`` the
@@ -266,7 +268,7 @@ def encode_linear(x, out, b, s, pre, scale, k0, k1):
 
 
 @numba.njit(cache=True, nogil=True)
-def encode_natural(x, out, b, s, pre, scale, k0, k1):
+def encode_natural(x, out, b, s, pre, scale, k0, k1):  # type: ignore[no-untyped-def]
     """As :func:`encode_linear` on the natural grid (``y = |x| / norm``)."""
     xb = x.view(np.uint32)
     codes = np.empty(BLOCK, np.uint8)
@@ -281,7 +283,7 @@ def encode_natural(x, out, b, s, pre, scale, k0, k1):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _lookup(body, b, table, out, add):
+def _lookup(body, b, table, out, add):  # type: ignore[no-untyped-def]
     """``out[i] (+)= table[code_i]`` straight from the bytes, for b in (2, 4, 8)."""
     n = out.shape[0]
     per = 8 // b
@@ -306,7 +308,7 @@ def _lookup(body, b, table, out, add):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _decode(body, b, table, out, add):
+def _decode(body, b, table, out, add):  # type: ignore[no-untyped-def]
     if b == 8 or b == 4 or b == 2:
         _lookup(body, b, table, out, add)
         return
@@ -324,20 +326,20 @@ def _decode(body, b, table, out, add):
 
 
 @numba.njit(cache=True, nogil=True)
-def decode(body, b, table, out):
+def decode(body, b, table, out):  # type: ignore[no-untyped-def]
     """``out[i] = table[code_i]`` for the ``b``-bit codes packed in ``body``."""
     _decode(body, b, table, out, False)
 
 
 @numba.njit(cache=True, nogil=True)
-def decode_add(body, b, table, acc):
+def decode_add(body, b, table, acc):  # type: ignore[no-untyped-def]
     """``acc[i] += table[code_i]`` (the caller scales ``table`` by alpha)."""
     _decode(body, b, table, acc, True)
 
 
 @numba.njit(cache=True, nogil=True)
-def encode_ef(g, e, r, mode, out, b, s, natural, pre, scale, k0, k1, table, res,
-              inplace):  # type: ignore[no-untyped-def]
+def encode_ef(  # type: ignore[no-untyped-def]
+        g, e, r, mode, out, b, s, natural, pre, scale, k0, k1, table, res, inplace):
     """Error feedback's pass 2 (after the norm of ``p`` is known, finite and non-zero): per block,
     store ``p`` (:func:`.common.ef_p`) where the residual goes (``e`` itself when ``inplace``,
     else ``res``), quantize and pack it as :func:`encode_linear` / :func:`encode_natural` do, then
