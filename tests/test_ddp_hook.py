@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from gradpress.compress import build, codec_names
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 from gradpress.ps.reduce import reduce_pushes
 
 WORLD = 2
@@ -510,7 +510,7 @@ def test_hyperparameters_are_read_only_and_state_keys_checked():
 
 # -- deferred checks against the immediate ones, one process (world 3, rank 0) -----------------
 def _exchange(numel: int, deferred: bool, dtype=torch.float32):
-    from gradpress._ddp_buckets import BucketCodecs, BucketExchange
+    from gradpress.ddp.buckets import BucketCodecs, BucketExchange
     layout = (3, 0, numel, dtype, "cpu", (((numel,), 0),))
     c = BucketCodecs(layout, numel, 3, 0, lambda n: build(SPEC, n, ef="vanilla"),
                      torch.device("cpu"))
@@ -551,8 +551,8 @@ PUSH_CASES = [{}, {1: "nan"}, {2: "step"}, {1: "nan", 2: "step"}, {0: "nan", 2: 
 def test_deferred_reduce_sends_what_the_immediate_checks_send(bad):
     """The owner's abort record names the same sender (a bad header before a non-finite sum,
     else the first non-finite partial sum); a clean reduce sends the same aggregate bytes."""
-    from gradpress._ddp_buckets import reduce_shard
-    from gradpress._ddp_checks import raise_failed, reduce_shard_deferred
+    from gradpress.ddp.buckets import reduce_shard
+    from gradpress.ddp.checks import raise_failed, reduce_shard_deferred
     agg, errors = {}, {}
     for deferred in (False, True):
         ex = _exchange(100, deferred)
@@ -578,8 +578,8 @@ REPLY_CASES = [{}, {1: "nan"}, {2: "step"}, {0: "abort"}, {1: "step", 2: "nan"}]
 def test_deferred_finish_matches_the_immediate_checks(bad, dtype):
     """Same bucket bytes when clean; a failed bucket is zeroed with a False flag, and the host
     re-check raises the immediate path's PayloadError text."""
-    from gradpress._ddp_buckets import finish
-    from gradpress._ddp_checks import finish_deferred, raise_failed
+    from gradpress.ddp.buckets import finish
+    from gradpress.ddp.checks import finish_deferred, raise_failed
     out, errors = {}, {}
     for deferred in (False, True):
         ex = _exchange(100, deferred, dtype)
@@ -602,7 +602,7 @@ def test_device_check_records_its_event_on_the_flags_device(monkeypatch):
     ``torch.cuda.current_stream()``, torch/cuda/streams.py): on a communication thread whose
     current device is 0, a bucket on cuda:1 would get an event that covers none of its copy.
     CUDA is faked: a flag object on "cuda:1", and recorders for the stream, event and copy."""
-    import gradpress._ddp_checks as B
+    import gradpress.ddp.checks as B
     recorded, copied = [], []
 
     class Ok:
@@ -633,8 +633,8 @@ def test_push_marked_rejected_by_its_sender_is_rejected_naming_it(bad):
     raise, the payload still goes out) marks the header's flags (``mark_rejected``); the owner
     rejects that push, deferred or not, naming the same sender with the same error, even when
     the payload decodes to finite values (randomk, topk with fp16 values)."""
-    from gradpress._ddp_buckets import reduce_shard
-    from gradpress._ddp_checks import (
+    from gradpress.ddp.buckets import reduce_shard
+    from gradpress.ddp.checks import (
         mark_rejected,
         raise_failed,
         reduce_shard_deferred,
@@ -661,7 +661,7 @@ def test_push_marked_rejected_by_its_sender_is_rejected_naming_it(bad):
 
 
 def test_mark_rejected_sets_the_flags_only_for_a_false_flag():
-    from gradpress._ddp_checks import mark_rejected
+    from gradpress.ddp.checks import mark_rejected
     p = torch.zeros(48, dtype=torch.uint8)
     mark_rejected(p, torch.tensor(True))
     assert not p.any()

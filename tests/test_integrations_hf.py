@@ -77,7 +77,7 @@ def test_hf_trainer_with_the_hook_checkpoints_and_resumes_exactly(tmp_path: Path
 
 
 def test_importing_gradpress_does_not_import_transformers() -> None:
-    code = ("import sys, gradpress, gradpress.ddp_hook, gradpress.checkpoint\n"
+    code = ("import sys, gradpress, gradpress.ddp, gradpress.checkpoint\n"
             "gradpress.DistributedOptimizer; gradpress.OneBitLANS\n"
             "assert 'transformers' not in sys.modules\n"
             "sys.modules['transformers'] = None  # as if not installed\n"

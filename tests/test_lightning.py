@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook  # noqa: E402
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
@@ -63,7 +63,7 @@ def check_training(ranks: list[dict]) -> None:
 
 
 def test_import_gradpress_does_not_import_lightning() -> None:
-    code = ("import sys, gradpress, gradpress.api, gradpress.ddp_hook, gradpress.checkpoint; "
+    code = ("import sys, gradpress, gradpress.api, gradpress.ddp, gradpress.checkpoint; "
             "gradpress.DistributedOptimizer; "
             "assert not [m for m in sys.modules if m.split('.')[0] in "
             "('lightning', 'pytorch_lightning')], 'lightning imported'")

@@ -28,7 +28,7 @@ import torch
 
 from gradpress.checkpoint import file_sha256, verify
 from gradpress.train import TrainConfig
-from gradpress.train.checkpoints import (
+from gradpress.train.periodic import (
     TrainCheckpoints,
     latest_valid,
     params_sha256,
@@ -103,7 +103,7 @@ def test_auto_resume_skips_refused_and_incomplete_checkpoints(
     (bad / "worker0.pt").write_bytes(b"w0")
     (root / "step-8").mkdir()  # a save that crashed before its meta.json
     (root / "step-8" / "worker0.pt").write_bytes(b"partial")
-    with caplog.at_level(logging.WARNING, logger="gradpress.train.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="gradpress.train.periodic"):
         assert latest_valid(root) == root / "step-4"
     text = caplog.text
     assert "skipping checkpoint" in text and "step-6" in text and "worker0.pt" in text

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from . import api
-from .ps.checkpointing import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
+from .ps.codec_state import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
 from .torch.broadcast import (
     broadcast_object,
     broadcast_optimizer_state,

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .netem import NetemError
+from .train.netem import NetemError
 
 if TYPE_CHECKING:
     from .launch import LaunchConfig

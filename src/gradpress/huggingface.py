@@ -9,8 +9,8 @@
 What it does, per event:
 
 1. ``on_train_begin`` (after the Trainer wrapped the model in DDP, before the first backward):
-   registers :func:`~gradpress.ddp_hook.two_way_compression_hook` with this callback's
-   :class:`~gradpress.ddp_hook.TwoWayCompressionState` on ``trainer.model_wrapped``. When the
+   registers :func:`~gradpress.ddp.two_way_compression_hook` with this callback's
+   :class:`~gradpress.ddp.TwoWayCompressionState` on ``trainer.model_wrapped``. When the
    run resumes from ``output_dir/checkpoint-<step>`` (``trainer.train(resume_from_checkpoint=
    ...)``), the hook's residuals saved there by step 3 are loaded first.
 2. ``on_step_begin``: gives the hook the current learning rate (``ef="corrected"`` and
@@ -41,7 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       'pip install "gradpress[hf]"') from e
 
 from .compress import EFSpec
-from .ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from .ddp import TwoWayCompressionState, two_way_compression_hook
 
 __all__ = ["TwoWayCompressionCallback", "STATE_DIR"]
 
@@ -57,7 +57,7 @@ class TwoWayCompressionCallback(TrainerCallback):
     Args:
         trainer: the ``transformers.Trainer`` (its ``model_wrapped`` is the DDP model once
             training begins; callbacks are not otherwise given it).
-        state: a :class:`~gradpress.ddp_hook.TwoWayCompressionState`; by default one built from
+        state: a :class:`~gradpress.ddp.TwoWayCompressionState`; by default one built from
             ``spec``, ``ef``, ``min_compress_bytes``, ``dense_steps`` and ``seed``, which have
             that class's meanings and defaults (``min_compress_bytes`` 1 MiB: lower it for a
             small model, whose DDP buckets are smaller).

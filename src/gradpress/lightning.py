@@ -7,7 +7,7 @@ Two routes, both a drop-in ``Trainer(strategy=...)`` for an unchanged ``Lightnin
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TwoWayCompressionStrategy())
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ParameterServerStrategy("onebit"))
 
-* :class:`TwoWayCompressionStrategy`: DDP with :func:`~gradpress.ddp_hook.two_way_compression_hook`
+* :class:`TwoWayCompressionStrategy`: DDP with :func:`~gradpress.ddp.two_way_compression_hook`
   registered on any device (Lightning's ``DDPStrategy`` registers communication hooks only on
   CUDA, so ``DDPStrategy(ddp_comm_hook=...)`` on CPU silently trains uncompressed).
 * :class:`ParameterServerStrategy`: no DDP; gradpress's parameter servers (colocated, one engine
@@ -42,7 +42,7 @@ except ImportError as _e:  # pragma: no cover - exercised without lightning inst
 
 from . import api
 from .compress.spec import CodecSpec, EFSpec
-from .ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from .ddp import TwoWayCompressionState, two_way_compression_hook
 from .torch.broadcast import broadcast_parameters
 from .torch.optimizer import DistributedOptimizer
 
@@ -106,7 +106,7 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
     """A ``DDPStrategy`` that registers its communication hook on every device, CPU included.
 
     Takes ``DDPStrategy``'s arguments. ``ddp_comm_hook`` defaults to
-    :func:`~gradpress.ddp_hook.two_way_compression_hook` and ``ddp_comm_state`` to
+    :func:`~gradpress.ddp.two_way_compression_hook` and ``ddp_comm_state`` to
     ``TwoWayCompressionState()`` (onebit, vanilla error feedback, buckets from 1 MiB; build your
     own state for other settings). Replicas stay bit-identical (every rank decodes the same
     bytes). ``log_stats`` (default True) logs the bytes sent after each optimizer step
@@ -133,7 +133,7 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
 
     @property
     def comm_state(self) -> object | None:
-        """The hook's state (a :class:`~gradpress.ddp_hook.TwoWayCompressionState` by default)."""
+        """The hook's state (a :class:`~gradpress.ddp.TwoWayCompressionState` by default)."""
         return self._ddp_comm_state
 
     @property

@@ -5,7 +5,7 @@ died: the launcher ends every other process and returns non-zero, see ``docs/rel
 a hung process makes the others' waits time out, which ends the job the same way), it:
 
 1. finds the newest complete checkpoint whose checksums match under ``OUT/checkpoints``
-   (:func:`gradpress.train.checkpoints.latest_valid`; none: the start of the run);
+   (:func:`gradpress.train.periodic.latest_valid`; none: the start of the run);
 2. cuts the run directory back to that step (:func:`start_from`: the steps after it are
    redone);
 3. launches the whole job again with ``resume`` set to that checkpoint,
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import SUBDIR, checkpoint_step, checkpoints, resolve_resume
 from .config import TrainConfig
+from .periodic import SUBDIR, checkpoint_step, checkpoints, resolve_resume
 from .report import read_metrics
 
 __all__ = ["INTERRUPTED", "trim_metrics", "last_step", "start_from", "run_with_restarts"]

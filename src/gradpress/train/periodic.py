@@ -86,7 +86,7 @@ def resolve_resume(value: str | None, out: str | Path,
     (ValueError naming the file and checksums if it is refused). With ``world`` (workers,
     servers), a checkpoint of other world sizes is a ValueError naming both."""
     from ..checkpoint import verify
-    from ..ps.checkpointing import read_meta
+    from ..ps.codec_state import read_meta
 
     if value is None:
         return None
@@ -107,7 +107,7 @@ def resolve_resume(value: str | None, out: str | Path,
 
 def checkpoint_step(directory: str | Path) -> int:
     """The step a complete checkpoint was saved at (its ``meta.json``)."""
-    from ..ps.checkpointing import read_meta
+    from ..ps.codec_state import read_meta
 
     meta = read_meta(directory)
     if meta is None:
@@ -169,7 +169,7 @@ class TrainCheckpoints:
     def prune(self) -> None:
         """Delete every checkpoint older than the newest :data:`KEEP` complete ones
         (incomplete ones too: a save that crashed)."""
-        from ..ps.checkpointing import META_FILE
+        from ..ps.codec_state import META_FILE
 
         found = checkpoints(self.root)
         complete = [step for step, d in found if (d / META_FILE).is_file()]

@@ -6,7 +6,7 @@ Methods and System") without separate server processes. Every rank serves one sh
 gradient bucket, as a reduce-scatter/all-gather allreduce does, and the pushes and the replies are
 both compressed with error feedback::
 
-    from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+    from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
     state = TwoWayCompressionState(spec="onebit", ef="vanilla", min_compress_bytes=1 << 20)
     ddp_model.register_comm_hook(state, two_way_compression_hook)
 
@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ddp_buckets import (
+from ..compress import Codec, EFSpec, build
+from ..ps.errors import GradpressError, PayloadError
+from .buckets import (
     BucketCodecs,
     BucketExchange,
     all_gather_async,
@@ -32,15 +34,13 @@ from ._ddp_buckets import (
     finish,
     reduce_shard,
 )
-from ._ddp_checks import (
+from .checks import (
     DeviceCheck,
     finish_deferred,
     mark_rejected,
     raise_failed,
     reduce_shard_deferred,
 )
-from .compress import Codec, EFSpec, build
-from .ps.errors import GradpressError, PayloadError
 
 __all__ = ["TwoWayCompressionState", "two_way_compression_hook"]
 
@@ -433,7 +433,7 @@ def two_way_compression_hook(
        bucket buffer; the bytes are identical on every rank, so the replicas stay bit-identical.
 
     A payload that fails a check raises :class:`~gradpress.ps.errors.PayloadError` naming the
-    sending rank, the bucket, the shard and what was wrong (see :mod:`gradpress._ddp_buckets`):
+    sending rank, the bucket, the shard and what was wrong (see :mod:`gradpress.ddp.buckets`):
     from the hook or from the bucket's future, on the owner that rejected a push and, through an
     abort record it all-gathers in step 5, on every other rank. The bucket buffer is then zeroed
     and the state refuses further buckets (:class:`~gradpress.ps.errors.GradpressError`).
