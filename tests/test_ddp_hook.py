@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gradpress.compress import build, codec_names
+from gradpress.compress import build, codec_names, parse_ef, parse_spec
 from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 from gradpress.ps.reduce import reduce_pushes
 
@@ -472,9 +472,45 @@ def test_state_pickles_without_process_group():
     state.process_group = object()  # not picklable in general; must be dropped
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
-    assert (copy.spec, copy.ef, copy.min_compress_bytes, copy.dense_steps, copy.seed,
-            copy.overlap, copy.lr) == ("topk:k=0.01", "vanilla", 4096, 5, 3, False, 0.1)
+    assert (copy.compression, copy.ef, copy.min_compress_bytes, copy.dense_steps, copy.seed,
+            copy.overlap, copy.lr) == (parse_spec("topk:k=0.01"), parse_ef("vanilla"), 4096, 5,
+                                       3, False, 0.1)
     assert copy.state_dict() == state.state_dict()
+
+
+TOPK = "topk:k=0.01,values=fp16"
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK,
+    {"compressor": "topk", "k": 0.01, "values": "fp16"},
+    parse_spec(TOPK),
+], ids=["string", "dict", "CodecSpec"])
+def test_compression_is_a_string_a_dict_or_a_codec_spec_alike(compression):
+    """The three forms of ``compression=`` give the same state, the same codec bytes (so the
+    same wire fingerprint) and the same checkpointed state."""
+    state = TwoWayCompressionState(compression, "vanilla", min_compress_bytes=0, seed=3)
+    ref = TwoWayCompressionState(TOPK, "vanilla", min_compress_bytes=0, seed=3)
+    assert state.compression.name == "topk" and state.ef == parse_ef("vanilla")
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    mine, theirs = state._build(1000), ref._build(1000)
+    for step in range(3):  # the residual carries over: equal bytes at every step
+        assert torch.equal(mine.compress(x, key=5, step=step), theirs.compress(x, key=5, step=step))
+    assert mine.state_dict().keys() == theirs.state_dict().keys()
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.compression == state.compression and copy.ef == state.ef
+    assert torch.equal(copy._build(1000).compress(x, key=5, step=0),
+                       ref._build(1000).compress(x, key=5, step=0))
+
+
+def test_error_feedback_inside_compression_must_agree_with_ef():
+    spec = {"compressor": "onebit", "ef": "corrected"}
+    assert TwoWayCompressionState(spec, None).ef == parse_ef("corrected")
+    assert TwoWayCompressionState(spec, "corrected").ef == parse_ef("corrected")
+    assert "ef" not in TwoWayCompressionState(spec, None).compression.wrappers
+    with pytest.raises(ValueError, match="ef given twice"):
+        TwoWayCompressionState(spec)  # ef="vanilla" (the default) against the spec's corrected
+    assert not TwoWayCompressionState("onebit", None).ef.enabled  # no ef anywhere: off
 
 
 def test_state_dict_roundtrip_keeps_pending_buckets():
@@ -487,7 +523,8 @@ def test_state_dict_roundtrip_keeps_pending_buckets():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"spec": "nosuch"}, "nosuch"),
+    ({"compression": "nosuch"}, "nosuch"),
+    ({"compression": {"k": 0.1}}, "compressor"),
     ({"ef": "bogus"}, "bogus"),
     ({"min_compress_bytes": -1}, "min_compress_bytes"),
     ({"dense_steps": 1.5}, "dense_steps"),
@@ -501,9 +538,11 @@ def test_invalid_hyperparameters_raise(kwargs, match):
 def test_hyperparameters_are_read_only_and_state_keys_checked():
     state = TwoWayCompressionState("onebit")
     with pytest.raises(AttributeError):
-        state.spec = "topk"
-    with pytest.raises(TypeError, match="spec"):
-        TwoWayCompressionState(spec={"compressor": "onebit"})
+        state.compression = "topk"
+    with pytest.raises(TypeError, match="compression"):
+        TwoWayCompressionState(compression=3)
+    with pytest.raises(TypeError, match="compression"):
+        TwoWayCompressionState(compression=None)
     with pytest.raises(ValueError, match="expected keys"):
         state.load_state_dict({"iter": 0})
 

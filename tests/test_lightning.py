@@ -25,7 +25,9 @@ import torch
 
 pytest.importorskip("lightning")
 
+from gradpress.compress import build, parse_ef, parse_spec  # noqa: E402
 from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook  # noqa: E402
+from gradpress.torch.optimizer import DistributedOptimizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
@@ -105,7 +107,8 @@ def test_strategy_defaults_and_arguments() -> None:
     s = TwoWayCompressionStrategy()
     assert isinstance(s.comm_state, TwoWayCompressionState)
     assert s._ddp_comm_hook is two_way_compression_hook
-    assert (s.comm_state.spec, s.comm_state.ef) == ("onebit", "vanilla")
+    assert (s.comm_state.compression, s.comm_state.ef) == (parse_spec("onebit"),
+                                                           parse_ef("vanilla"))
     mine = TwoWayCompressionState("topk:k=0.01", min_compress_bytes=0)
     assert TwoWayCompressionStrategy(ddp_comm_state=mine).comm_state is mine
     assert s.compression_stats["bytes_sent"] == 0
@@ -114,6 +117,30 @@ def test_strategy_defaults_and_arguments() -> None:
     assert ps.process_group_backend == "gloo"
     with pytest.raises(TypeError, match="ddp_comm_hook"):
         ParameterServerStrategy(ddp_comm_hook=two_way_compression_hook)
+
+
+TOPK = "topk:k=0.01,values=fp16"
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK, {"compressor": "topk", "k": 0.01, "values": "fp16"}, parse_spec(TOPK),
+], ids=["string", "dict", "CodecSpec"])
+def test_both_strategies_take_compression_as_string_dict_or_codec_spec(compression) -> None:
+    """Each form of ``compression=`` builds codecs that write the same bytes."""
+    from gradpress.lightning import ParameterServerStrategy, TwoWayCompressionStrategy
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    ref = build(TOPK, 1000, ef="vanilla").compress(x, key=1)
+    hook = TwoWayCompressionStrategy(compression=compression).comm_state
+    assert torch.equal(hook._build(1000).compress(x, key=1), ref)
+    model = torch.nn.Linear(4, 4)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(),
+                               **ParameterServerStrategy(compression=compression)._opt_kwargs)
+    assert torch.equal(build(opt._gp_spec, 1000).compress(x, key=1), ref)
+    with pytest.raises(TypeError, match="either compression or ddp_comm_state"):
+        TwoWayCompressionStrategy(compression=compression,
+                                  ddp_comm_state=TwoWayCompressionState())
 
 
 def test_checkpoint_entry_is_checked(caplog: pytest.LogCaptureFixture) -> None:

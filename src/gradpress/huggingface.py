@@ -3,7 +3,7 @@
 
     from gradpress.huggingface import TwoWayCompressionCallback
     trainer = Trainer(model=model, args=args, train_dataset=ds)
-    trainer.add_callback(TwoWayCompressionCallback(trainer, spec="onebit"))
+    trainer.add_callback(TwoWayCompressionCallback(trainer, compression="onebit"))
     trainer.train()        # under torchrun --nproc-per-node N
 
 What it does, per event:
@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       'pip install "gradpress[hf]"') from e
 
 from .compress import EFSpec
+from .compress.spec import Compression
 from .ddp import TwoWayCompressionState, two_way_compression_hook
 
 __all__ = ["TwoWayCompressionCallback", "STATE_DIR"]
@@ -58,9 +59,10 @@ class TwoWayCompressionCallback(TrainerCallback):
         trainer: the ``transformers.Trainer`` (its ``model_wrapped`` is the DDP model once
             training begins; callbacks are not otherwise given it).
         state: a :class:`~gradpress.ddp.TwoWayCompressionState`; by default one built from
-            ``spec``, ``ef``, ``min_compress_bytes``, ``dense_steps`` and ``seed``, which have
-            that class's meanings and defaults (``min_compress_bytes`` 1 MiB: lower it for a
-            small model, whose DDP buckets are smaller).
+            ``compression`` (a spec string, a BytePS-style dict or a ``CodecSpec``), ``ef``,
+            ``min_compress_bytes``, ``dense_steps`` and ``seed``, which have that class's
+            meanings and defaults (``min_compress_bytes`` 1 MiB: lower it for a small model,
+            whose DDP buckets are smaller); ignored when ``state`` is given.
         save_state: write the hook state into every Trainer checkpoint (``on_save``) and load it
             when training resumes from one. Default True.
 
@@ -69,7 +71,7 @@ class TwoWayCompressionCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Any, state: TwoWayCompressionState | None = None, *,
-                 spec: str = "onebit", ef: str | EFSpec | None = "vanilla",
+                 compression: Compression = "onebit", ef: str | EFSpec | None = "vanilla",
                  min_compress_bytes: int = 1 << 20, dense_steps: int = 0, seed: int = 0,
                  save_state: bool = True) -> None:
         if state is not None and not isinstance(state, TwoWayCompressionState):
@@ -80,7 +82,8 @@ class TwoWayCompressionCallback(TrainerCallback):
                             f"got {type(trainer).__name__}")
         self.trainer = trainer
         self.state = state if state is not None else TwoWayCompressionState(
-            spec, ef, min_compress_bytes=min_compress_bytes, dense_steps=dense_steps, seed=seed)
+            compression, ef, min_compress_bytes=min_compress_bytes, dense_steps=dense_steps,
+            seed=seed)
         self.save_state = save_state
         self._hooked: Any = None  # the DDP module the hook is registered on
 

@@ -41,7 +41,7 @@ except ImportError as _e:  # pragma: no cover - exercised without lightning inst
                       'pip install "gradpress[lightning]"') from _e
 
 from . import api
-from .compress.spec import CodecSpec, EFSpec
+from .compress.spec import Compression, EFSpec
 from .ddp import TwoWayCompressionState, two_way_compression_hook
 from .torch.broadcast import broadcast_parameters
 from .torch.optimizer import DistributedOptimizer
@@ -107,10 +107,12 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
 
     Takes ``DDPStrategy``'s arguments. ``ddp_comm_hook`` defaults to
     :func:`~gradpress.ddp.two_way_compression_hook` and ``ddp_comm_state`` to
-    ``TwoWayCompressionState()`` (onebit, vanilla error feedback, buckets from 1 MiB; build your
-    own state for other settings). Replicas stay bit-identical (every rank decodes the same
-    bytes). ``log_stats`` (default True) logs the bytes sent after each optimizer step
-    (:attr:`compression_stats`). Recipes: ``docs/integrations.md#pytorch-lightning``.
+    ``TwoWayCompressionState(compression)``: ``compression`` (default ``"onebit"``) is a spec
+    string, a BytePS-style dict or a ``CodecSpec``, with vanilla error feedback and buckets from
+    1 MiB; build your own state for other settings (then leave ``compression`` out). Replicas
+    stay bit-identical (every rank decodes the same bytes). ``log_stats`` (default True) logs
+    the bytes sent after each optimizer step (:attr:`compression_stats`). Recipes:
+    ``docs/integrations.md#pytorch-lightning``.
 
     Checkpoints (``Trainer.save_checkpoint``, ``ModelCheckpoint``; collective on every rank):
 
@@ -122,11 +124,19 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
 
     _KIND = "two_way_hook"
 
-    def __init__(self, *, ddp_comm_state: object | None = None,
+    def __init__(self, *, compression: Compression | None = None,
+                 ddp_comm_state: object | None = None,
                  ddp_comm_hook: Callable[..., Any] | None = two_way_compression_hook,
                  log_stats: bool = True, **kwargs: Any) -> None:
+        if compression is not None and (ddp_comm_state is not None
+                                        or ddp_comm_hook is not two_way_compression_hook):
+            raise TypeError("TwoWayCompressionStrategy: compression sets the default hook's "
+                            "state; give either compression or ddp_comm_state/ddp_comm_hook, "
+                            f"got compression={compression!r} with {ddp_comm_state!r}, "
+                            f"{getattr(ddp_comm_hook, '__name__', ddp_comm_hook)}")
         if ddp_comm_state is None and ddp_comm_hook is two_way_compression_hook:
-            ddp_comm_state = TwoWayCompressionState()
+            ddp_comm_state = TwoWayCompressionState(
+                "onebit" if compression is None else compression)
         super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, **kwargs)
         self._log_stats = log_stats
         self._hook_registered = False
@@ -240,7 +250,7 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
 
     _KIND = "parameter_server"
 
-    def __init__(self, compression: str | Mapping[str, Any] | CodecSpec | None = "onebit",
+    def __init__(self, compression: Compression | None = "onebit",
                  ef: str | EFSpec | None = "vanilla", *, momentum: str | None = None,
                  mu: float = 0.9, min_compress_bytes: int | str | None = 1 << 20,
                  dense_steps: int = 0, nan_policy: str = "raise",
