@@ -24,8 +24,7 @@ Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADP
 
 Every file is written under a temporary name and renamed; ``meta.json`` records each file's
 sha256 and :func:`load` (and :func:`verify`) refuse a file whose checksum differs (a truncated or
-corrupt file) with a ValueError naming the file and both checksums. Checkpoints written before
-checksums existed (no ``"files"`` in ``meta.json``) still load, unverified.
+corrupt file) with a ValueError naming the file and both checksums.
 
 See docs/design.md (checkpoints) and docs/checkpoints.md.
 """
@@ -74,19 +73,23 @@ def checkpoints_dir() -> str | None:
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The newest (by saved step) complete checkpoint among the subdirectories of ``root``
-    whose files match their checksums; each refused one is logged as a warning and skipped
-    (a directory without ``meta.json`` silently: a save that did not finish). None if none.
-    Needs no running job."""
+    """The newest (by saved step) checkpoint among the subdirectories of ``root`` that is
+    complete and whose files match their checksums; None if there is none. Needs no running
+    job. Each subdirectory refused is logged as a warning and skipped: no ``meta.json`` (a save
+    that did not finish), unreadable metadata, a file that does not match its checksum. The one
+    finder of ``--resume auto`` and of the restarts of ``gradpress launch --max-restarts`` and
+    ``gradpress train --max-restarts``."""
     found = []
-    for d in Path(root).iterdir() if Path(root).is_dir() else ():
-        try:
-            meta = read_meta(d) if d.is_dir() else None
-        except ValueError as e:
-            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
+    for d in sorted(Path(root).iterdir()) if Path(root).is_dir() else ():
+        if not d.is_dir():
             continue
-        if meta is not None:
-            found.append((int(meta.get("step", 0)), d))
+        try:
+            meta = read_meta(d)
+            if meta is None:
+                raise ValueError(f"{META_FILE} is missing (the save did not finish)")
+            found.append((int(meta["step"]), d))
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
     for _, d in sorted(found, reverse=True):
         try:
             verify(d)
@@ -210,15 +213,17 @@ def verify(directory: str | os.PathLike, names: list[str] | None = None) -> dict
     1. read ``meta.json`` (ValueError if it is missing: the save did not finish);
     2. for each file it lists (only ``names`` of them, if given), compute the sha256 of the
        file's bytes and compare: a missing file or a different checksum is a ValueError naming
-       the file, the expected and the actual checksum. A ``meta.json`` without checksums (an
-       older checkpoint) passes unchecked.
+       the file, the expected and the actual checksum.
     """
     path = Path(directory).resolve()
     meta = read_meta(path)  # step 1
     if meta is None:
         raise ValueError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is missing "
                          f"(the save did not finish, or this is not a checkpoint directory)")
-    files = meta.get("files") or {}
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{path / META_FILE} lists no checksums (\"files\"): not a checkpoint "
+                         f"written by gradpress.checkpoint.save")
     for name in sorted(files if names is None else set(names) & set(files)):  # step 2
         f = path / name
         actual = file_sha256(f) if f.is_file() else "missing"
@@ -316,15 +321,11 @@ def set_rng_state(state: dict[str, Any], devices: list[torch.device],
                   set_cuda: Callable[[torch.Tensor, torch.device], None] | None = None) -> None:
     """Restore :func:`rng_state` output into the generators of ``devices`` (position by
     position). A saved list of another length is a ValueError naming both counts; a process
-    that trains on no CUDA device ignores the saved CUDA state. A checkpoint written before
-    (``"cuda"``: every visible device by index) restores by index when the device counts
-    match. ``set_cuda`` is ``torch.cuda.set_rng_state`` (a parameter for tests)."""
+    that trains on no CUDA device ignores the saved CUDA state. ``set_cuda`` is
+    ``torch.cuda.set_rng_state`` (a parameter for tests)."""
     put = set_cuda or torch.cuda.set_rng_state
     torch.set_rng_state(state["torch"])
     saved = state.get("cuda_devices")
-    if saved is None and "cuda" in state and devices:  # older checkpoints
-        saved, devices = state["cuda"], [torch.device("cuda", i)
-                                         for i in range(torch.cuda.device_count())]
     if saved is None or not devices:
         return
     if len(saved) != len(devices):
