@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from ..compress.base import Codec
 from .errors import (
+    CheckpointError,
     CommTimeoutError,
     ConfigMismatchError,
     GradpressError,
@@ -298,9 +299,9 @@ def request_server_op(cluster: Cluster, transport: Transport, timeout: float, se
     acks = _wait_acks(cluster, seq, timeout, op)  # step 4
     failed = [f"{cluster.describe(lay.server_rank(s))}: {acks[s]}" for s in servers
               if acks[s] != "ok"]
-    if failed:
-        raise GradpressError(f"{op} of server state in {directory} failed on "
-                             f"{'; '.join(failed)}")
+    if failed:  # a refused load is a refused checkpoint; a failed save, a runtime failure
+        raise (CheckpointError if op == "load" else GradpressError)(
+            f"{op} of server state in {directory} failed on {'; '.join(failed)}")
 
 
 def _wait_acks(cluster: Cluster, seq: int, timeout: float, op: str) -> list[str]:
