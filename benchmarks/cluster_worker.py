@@ -94,7 +94,7 @@ def _ddp(cfg: dict, model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[
             start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif system == "gp-ddp-hook":
-        from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+        from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 
         state = TwoWayCompressionState("onebit", "vanilla",
                                        min_compress_bytes=cfg["min_compress_bytes"])

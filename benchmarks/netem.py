@@ -1,6 +1,6 @@
 """Network emulation on one machine: command line and throughput check.
 
-The library (rate-limited namespaces, emulated clusters, cleanup) is :mod:`gradpress.netem`;
+The library (rate-limited namespaces, emulated clusters, cleanup) is :mod:`gradpress.train.netem`;
 this module re-exports it, so ``import netem`` from ``benchmarks/`` keeps working, and adds:
 
 * :func:`measure_throughput`: bytes per second of one TCP stream through an emulated link;
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from gradpress.netem import (  # re-exported for the benchmarks and their tests
+from gradpress.train.netem import (  # re-exported for the benchmarks and their tests
     _LIVE,
     NAME_PREFIX,
     EmulatedCluster,

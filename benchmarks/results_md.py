@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import readme_figures  # noqa: E402
-import record  # noqa: E402
+import readme_figures
+import record
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

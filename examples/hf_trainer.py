@@ -78,7 +78,7 @@ def main() -> None:
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         use_cpu=True, ddp_backend="gloo", disable_tqdm=True)
     trainer = Trainer(model=model, args=targs, train_dataset=ByteDataset(args.seq_len))
-    hook = TwoWayCompressionCallback(trainer, spec="onebit", ef="vanilla",  # gradpress
+    hook = TwoWayCompressionCallback(trainer, compression="onebit", ef="vanilla",  # gradpress
                                      min_compress_bytes=1 << 16)  # small model: small buckets
     trainer.add_callback(hook)  # gradpress
     trainer.train(resume_from_checkpoint=True if args.resume else None)

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 from gradpress.lightning import ParameterServerStrategy, TwoWayCompressionStrategy
 
 

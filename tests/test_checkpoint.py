@@ -31,13 +31,13 @@ import pytest
 import torch
 
 from gradpress.cli import main
-from gradpress.ps.checkpointing import (
+from gradpress.ps.cluster import Layout
+from gradpress.ps.codec_state import (
     atomic_save,
     check_worker_state,
     read_server_states,
     restore_plan,
 )
-from gradpress.ps.cluster import Layout
 
 N, M = 4, 3
 

@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gradpress.compress import build
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from gradpress.compress import build, parse_ef, parse_spec
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 from gradpress.ps.reduce import reduce_pushes
 
 WORLD = 2
@@ -481,9 +481,45 @@ def test_state_pickles_without_process_group():
     state.process_group = object()  # not picklable in general; must be dropped
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
-    assert (copy.spec, copy.ef, copy.min_compress_bytes, copy.dense_steps, copy.seed,
-            copy.overlap, copy.lr) == ("topk:k=0.01", "vanilla", 4096, 5, 3, False, 0.1)
+    assert (copy.compression, copy.ef, copy.min_compress_bytes, copy.dense_steps, copy.seed,
+            copy.overlap, copy.lr) == (parse_spec("topk:k=0.01"), parse_ef("vanilla"), 4096, 5,
+                                       3, False, 0.1)
     assert copy.state_dict() == state.state_dict()
+
+
+TOPK = "topk:k=0.01,values=fp16"
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK,
+    {"compressor": "topk", "k": 0.01, "values": "fp16"},
+    parse_spec(TOPK),
+], ids=["string", "dict", "CodecSpec"])
+def test_compression_is_a_string_a_dict_or_a_codec_spec_alike(compression):
+    """The three forms of ``compression=`` give the same state, the same codec bytes (so the
+    same wire fingerprint) and the same checkpointed state."""
+    state = TwoWayCompressionState(compression, "vanilla", min_compress_bytes=0, seed=3)
+    ref = TwoWayCompressionState(TOPK, "vanilla", min_compress_bytes=0, seed=3)
+    assert state.compression.name == "topk" and state.ef == parse_ef("vanilla")
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    mine, theirs = state._build(1000), ref._build(1000)
+    for step in range(3):  # the residual carries over: equal bytes at every step
+        assert torch.equal(mine.compress(x, key=5, step=step), theirs.compress(x, key=5, step=step))
+    assert mine.state_dict().keys() == theirs.state_dict().keys()
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.compression == state.compression and copy.ef == state.ef
+    assert torch.equal(copy._build(1000).compress(x, key=5, step=0),
+                       ref._build(1000).compress(x, key=5, step=0))
+
+
+def test_error_feedback_inside_compression_must_agree_with_ef():
+    spec = {"compressor": "onebit", "ef": "corrected"}
+    assert TwoWayCompressionState(spec, None).ef == parse_ef("corrected")
+    assert TwoWayCompressionState(spec, "corrected").ef == parse_ef("corrected")
+    assert "ef" not in TwoWayCompressionState(spec, None).compression.wrappers
+    with pytest.raises(ValueError, match="ef given twice"):
+        TwoWayCompressionState(spec)  # ef="vanilla" (the default) against the spec's corrected
+    assert not TwoWayCompressionState("onebit", None).ef.enabled  # no ef anywhere: off
 
 
 def test_state_dict_roundtrip_keeps_pending_buckets():
@@ -496,7 +532,8 @@ def test_state_dict_roundtrip_keeps_pending_buckets():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"spec": "nosuch"}, "nosuch"),
+    ({"compression": "nosuch"}, "nosuch"),
+    ({"compression": {"k": 0.1}}, "compressor"),
     ({"ef": "bogus"}, "bogus"),
     ({"min_compress_bytes": -1}, "min_compress_bytes"),
     ({"dense_steps": 1.5}, "dense_steps"),
@@ -510,16 +547,18 @@ def test_invalid_hyperparameters_raise(kwargs, match):
 def test_hyperparameters_are_read_only_and_state_keys_checked():
     state = TwoWayCompressionState("onebit")
     with pytest.raises(AttributeError):
-        state.spec = "topk"
-    with pytest.raises(TypeError, match="spec"):
-        TwoWayCompressionState(spec={"compressor": "onebit"})
+        state.compression = "topk"
+    with pytest.raises(TypeError, match="compression"):
+        TwoWayCompressionState(compression=3)
+    with pytest.raises(TypeError, match="compression"):
+        TwoWayCompressionState(compression=None)
     with pytest.raises(ValueError, match="expected keys"):
         state.load_state_dict({"iter": 0})
 
 
 # -- deferred checks against the immediate ones, one process (world 3, rank 0) -----------------
 def _exchange(numel: int, deferred: bool, dtype=torch.float32):
-    from gradpress._ddp_buckets import BucketCodecs, BucketExchange
+    from gradpress.ddp.buckets import BucketCodecs, BucketExchange
     layout = (3, 0, numel, dtype, "cpu", (((numel,), 0),))
     c = BucketCodecs(layout, numel, 3, 0, lambda n: build(SPEC, n, ef="vanilla"),
                      torch.device("cpu"))
@@ -560,8 +599,8 @@ PUSH_CASES = [{}, {1: "nan"}, {2: "step"}, {1: "nan", 2: "step"}, {0: "nan", 2: 
 def test_deferred_reduce_sends_what_the_immediate_checks_send(bad):
     """The owner's abort record names the same sender (a bad header before a non-finite sum,
     else the first non-finite partial sum); a clean reduce sends the same aggregate bytes."""
-    from gradpress._ddp_buckets import reduce_shard
-    from gradpress._ddp_checks import raise_failed, reduce_shard_deferred
+    from gradpress.ddp.buckets import reduce_shard
+    from gradpress.ddp.checks import raise_failed, reduce_shard_deferred
     agg, errors = {}, {}
     for deferred in (False, True):
         ex = _exchange(100, deferred)
@@ -587,8 +626,8 @@ REPLY_CASES = [{}, {1: "nan"}, {2: "step"}, {0: "abort"}, {1: "step", 2: "nan"}]
 def test_deferred_finish_matches_the_immediate_checks(bad, dtype):
     """Same bucket bytes when clean; a failed bucket is zeroed with a False flag, and the host
     re-check raises the immediate path's PayloadError text."""
-    from gradpress._ddp_buckets import finish
-    from gradpress._ddp_checks import finish_deferred, raise_failed
+    from gradpress.ddp.buckets import finish
+    from gradpress.ddp.checks import finish_deferred, raise_failed
     out, errors = {}, {}
     for deferred in (False, True):
         ex = _exchange(100, deferred, dtype)
@@ -611,7 +650,7 @@ def test_device_check_records_its_event_on_the_flags_device(monkeypatch):
     ``torch.cuda.current_stream()``, torch/cuda/streams.py): on a communication thread whose
     current device is 0, a bucket on cuda:1 would get an event that covers none of its copy.
     CUDA is faked: a flag object on "cuda:1", and recorders for the stream, event and copy."""
-    import gradpress._ddp_checks as B
+    import gradpress.ddp.checks as B
     recorded, copied = [], []
 
     class Ok:
@@ -642,8 +681,8 @@ def test_push_marked_rejected_by_its_sender_is_rejected_naming_it(bad):
     raise, the payload still goes out) marks the header's flags (``mark_rejected``); the owner
     rejects that push, deferred or not, naming the same sender with the same error, even when
     the payload decodes to finite values (randomk, topk with fp16 values)."""
-    from gradpress._ddp_buckets import reduce_shard
-    from gradpress._ddp_checks import (
+    from gradpress.ddp.buckets import reduce_shard
+    from gradpress.ddp.checks import (
         mark_rejected,
         raise_failed,
         reduce_shard_deferred,
@@ -670,7 +709,7 @@ def test_push_marked_rejected_by_its_sender_is_rejected_naming_it(bad):
 
 
 def test_mark_rejected_sets_the_flags_only_for_a_false_flag():
-    from gradpress._ddp_checks import mark_rejected
+    from gradpress.ddp.checks import mark_rejected
     p = torch.zeros(48, dtype=torch.uint8)
     mark_rejected(p, torch.tensor(True))
     assert not p.any()

@@ -33,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from gradpress.compress import build
 from gradpress.compress.header import HEADER_BYTES, Header
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 
 SPEC = "onebit"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gradpress import netem
 from gradpress.cli import main
-from gradpress.netem import NetemError
-from gradpress.train import slowlink
+from gradpress.train import netem, slowlink
+from gradpress.train.netem import NetemError
 from gradpress.train.report import format_table
 from gradpress.train.slowlink import check_bandwidth, link_budget, run_forwarding_signals
 from gradpress.train.tta import time_to_accuracy, time_to_target, tta_columns, tta_summary

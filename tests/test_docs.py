@@ -64,19 +64,70 @@ def test_every_environment_variable_is_documented() -> None:
     assert not missing, f"variables missing from docs/reference/environment.md: {missing}"
 
 
-def _public_names() -> list[tuple[str, str]]:
-    out = []
-    for module in ("gradpress", "gradpress.optim", "gradpress.compress"):
-        names = [*importlib.import_module(module).__all__, *EXTRA_API.get(module, ())]
-        out += [(module, n) for n in names]
-    return out
+#: The public modules (programs import them; docs/reference/api.md has a section each) and
+#: the pages besides docs/reference/api.md where their names may be documented.
+PUBLIC_MODULES = {
+    "gradpress": (),
+    "gradpress.compress": (),
+    "gradpress.optim": ("optimizers.md",),
+    "gradpress.ddp": ("integrations.md",),
+    "gradpress.checkpoint": ("checkpoints.md",),
+    "gradpress.lightning": ("integrations.md",),
+    "gradpress.huggingface": ("integrations.md",),
+    "gradpress.train": ("train.md",),
+}
 
 
-def test_every_public_name_is_documented() -> None:
-    text = (REF / "api.md").read_text()
-    missing = [f"{m}.{n}" for m, n in _public_names()
-               if not re.search(rf"(?<!\w){re.escape(n)}(?!\w)", text)]
-    assert not missing, f"public names missing from docs/reference/api.md: {missing}"
+def _mentions(text: str, name: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_MODULES))
+def test_every_public_module_has_all_and_documents_it(module: str) -> None:
+    """Each public module defines ``__all__``, every name in it exists, and every name is
+    documented in docs/reference/api.md or the module's own page."""
+    mod = importlib.import_module(module)
+    assert isinstance(getattr(mod, "__all__", None), list | tuple), \
+        f"{module} defines no __all__"
+    absent = [n for n in mod.__all__ if not hasattr(mod, n)]
+    assert not absent, f"{module}.__all__ names what the module does not define: {absent}"
+    pages = [REF / "api.md", *(ROOT / "docs" / page for page in PUBLIC_MODULES[module])]
+    text = "\n".join(page.read_text() for page in pages)
+    names = [*mod.__all__, *EXTRA_API.get(module, ())]
+    missing = [n for n in names if not _mentions(text, n)]
+    assert not missing, (f"{module}: public names documented neither in docs/reference/api.md "
+                         f"nor in {[str(p.relative_to(ROOT)) for p in pages[1:]]}: {missing}")
+
+
+def test_every_module_section_of_the_api_page_is_a_covered_public_module() -> None:
+    """A ``## `gradpress.x``` section of docs/reference/api.md documents a public module: it is
+    in PUBLIC_MODULES, so the test above covers its ``__all__``."""
+    sections = re.findall(r"^## `(gradpress[\w.]*)`", (REF / "api.md").read_text(), re.M)
+    assert sections, "docs/reference/api.md has no module sections"
+    assert set(sections) <= set(PUBLIC_MODULES), sorted(set(sections) - set(PUBLIC_MODULES))
+    assert set(PUBLIC_MODULES) - {"gradpress"} <= set(sections), \
+        sorted(set(PUBLIC_MODULES) - {"gradpress"} - set(sections))
+
+
+def test_the_exceptions_users_catch_are_importable_from_gradpress() -> None:
+    """Every exception class of gradpress's modules (besides private ones and the CLI's
+    NetemError) is a name of ``gradpress`` and so, by the test above, documented."""
+    import inspect
+    import pkgutil
+
+    import gradpress
+
+    found = set()
+    for info in pkgutil.walk_packages(gradpress.__path__, "gradpress."):
+        if info.name.split(".")[1] in ("huggingface", "lightning", "cli", "__main__"):
+            continue  # optional dependencies; the command line
+        mod = importlib.import_module(info.name)
+        found |= {obj for name, obj in vars(mod).items()
+                  if inspect.isclass(obj) and issubclass(obj, Exception)
+                  and obj.__module__.startswith("gradpress") and not name.startswith("_")}
+    names = {c.__name__ for c in found} - {"NetemError"}
+    assert names, "no exception classes found"
+    assert names <= set(gradpress.__all__), sorted(names - set(gradpress.__all__))
 
 
 def _slug(heading: str) -> str:

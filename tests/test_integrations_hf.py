@@ -79,7 +79,7 @@ def test_hf_trainer_with_the_hook_checkpoints_and_resumes_exactly(tmp_path: Path
 
 @pytest.mark.cluster
 def test_importing_gradpress_does_not_import_transformers() -> None:
-    code = ("import sys, gradpress, gradpress.ddp_hook, gradpress.checkpoint\n"
+    code = ("import sys, gradpress, gradpress.ddp, gradpress.checkpoint\n"
             "gradpress.DistributedOptimizer; gradpress.OneBitLANS\n"
             "assert 'transformers' not in sys.modules\n"
             "sys.modules['transformers'] = None  # as if not installed\n"
@@ -115,3 +115,30 @@ def test_callback_in_one_process_trains_without_the_hook(tmp_path: Path, one_thr
     trainer.add_callback(cb)
     trainer.train()
     assert not cb.registered and cb.state.compression_stats()["iter"] == 0
+
+
+TOPK = "topk:k=0.01,values=fp16"
+
+
+@pytest.mark.parametrize("form", ["string", "dict", "CodecSpec"])
+def test_callback_takes_compression_as_string_dict_or_codec_spec(tmp_path: Path,
+                                                                 form: str) -> None:
+    """Each form of ``compression=`` gives the callback's hook codecs that write the same
+    bytes; a state passed in is used as it is."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from gradpress.compress import build, parse_spec
+    from gradpress.ddp import TwoWayCompressionState
+    from gradpress.huggingface import TwoWayCompressionCallback
+
+    compression = {"string": TOPK, "dict": {"compressor": "topk", "k": 0.01, "values": "fp16"},
+                   "CodecSpec": parse_spec(TOPK)}[form]
+    targs = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    trainer = Trainer(model=torch.nn.Linear(4, 4), args=targs)
+    cb = TwoWayCompressionCallback(trainer, compression=compression, min_compress_bytes=0)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cb.state._build(1000).compress(x, key=1),
+                       build(TOPK, 1000, ef="vanilla").compress(x, key=1))
+    mine = TwoWayCompressionState(compression)
+    assert TwoWayCompressionCallback(trainer, mine).state is mine

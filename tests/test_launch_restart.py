@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     import gradpress as gp
     import gradpress.checkpoint as ckpt
-    from gradpress.train.checkpoints import params_sha256
+    from gradpress.train.periodic import params_sha256
 
     out, total = Path(sys.argv[1]), int(sys.argv[2])
     KILL_AT = 22  # past the step-20 checkpoint

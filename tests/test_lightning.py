@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from gradpress.compress import build, parse_ef, parse_spec
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
+from gradpress.torch.optimizer import DistributedOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
@@ -62,7 +64,7 @@ def check_training(ranks: list[dict]) -> None:
 
 @pytest.mark.cluster
 def test_import_gradpress_does_not_import_lightning() -> None:
-    code = ("import sys, gradpress, gradpress.api, gradpress.ddp_hook, gradpress.checkpoint; "
+    code = ("import sys, gradpress, gradpress.api, gradpress.ddp, gradpress.checkpoint; "
             "gradpress.DistributedOptimizer; "
             "assert not [m for m in sys.modules if m.split('.')[0] in "
             "('lightning', 'pytorch_lightning')], 'lightning imported'")
@@ -104,7 +106,8 @@ def test_strategy_defaults_and_arguments() -> None:
     s = TwoWayCompressionStrategy()
     assert isinstance(s.comm_state, TwoWayCompressionState)
     assert s._ddp_comm_hook is two_way_compression_hook
-    assert (s.comm_state.spec, s.comm_state.ef) == ("onebit", "vanilla")
+    assert (s.comm_state.compression, s.comm_state.ef) == (parse_spec("onebit"),
+                                                           parse_ef("vanilla"))
     mine = TwoWayCompressionState("topk:k=0.01", min_compress_bytes=0)
     assert TwoWayCompressionStrategy(ddp_comm_state=mine).comm_state is mine
     assert s.compression_stats["bytes_sent"] == 0
@@ -113,6 +116,30 @@ def test_strategy_defaults_and_arguments() -> None:
     assert ps.process_group_backend == "gloo"
     with pytest.raises(TypeError, match="ddp_comm_hook"):
         ParameterServerStrategy(ddp_comm_hook=two_way_compression_hook)
+
+
+TOPK = "topk:k=0.01,values=fp16"
+
+
+@pytest.mark.parametrize("compression", [
+    TOPK, {"compressor": "topk", "k": 0.01, "values": "fp16"}, parse_spec(TOPK),
+], ids=["string", "dict", "CodecSpec"])
+def test_both_strategies_take_compression_as_string_dict_or_codec_spec(compression) -> None:
+    """Each form of ``compression=`` builds codecs that write the same bytes."""
+    from gradpress.lightning import ParameterServerStrategy, TwoWayCompressionStrategy
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    ref = build(TOPK, 1000, ef="vanilla").compress(x, key=1)
+    hook = TwoWayCompressionStrategy(compression=compression).comm_state
+    assert torch.equal(hook._build(1000).compress(x, key=1), ref)
+    model = torch.nn.Linear(4, 4)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(),
+                               **ParameterServerStrategy(compression=compression)._opt_kwargs)
+    assert torch.equal(build(opt._gp_spec, 1000).compress(x, key=1), ref)
+    with pytest.raises(TypeError, match="either compression or ddp_comm_state"):
+        TwoWayCompressionStrategy(compression=compression,
+                                  ddp_comm_state=TwoWayCompressionState())
 
 
 def test_checkpoint_entry_is_checked(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,4 +1,4 @@
-"""gradpress.netem and benchmarks/netem.py (its command line, re-exporting it): validation,
+"""gradpress.train.netem and benchmarks/netem.py (its command line, re-exporting it): validation,
 namespaces and emulated clusters, cleanup on failure.
 
 Tests that create namespaces need root and ``ip netns``; they are skipped elsewhere. No timed
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gradpress import netem as lib
+from gradpress.train import netem as lib
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -450,7 +450,7 @@ def test_call_options_are_parsed_once_per_distinct_options(monkeypatch) -> None:
     what it rejected the first time."""
     from types import SimpleNamespace
 
-    from gradpress.ps import planning as P
+    from gradpress.ps import keyplan as P
     from gradpress.ps.config import PSConfig
 
     eng = P.Planner(SimpleNamespace(layout=SimpleNamespace(num_servers=1)), PSConfig())

@@ -254,15 +254,3 @@ def test_train_devices_of_a_cpu_model() -> None:
     current = [torch.device("cuda", torch.cuda.current_device())] if cuda else []
     assert ck.train_devices(_model(0)) == current
 
-
-def test_rng_older_checkpoint_restores_by_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    # written before: "cuda" held every visible device's state by index (get_rng_state_all)
-    old = {"torch": torch.get_rng_state(),
-           "cuda": [torch.tensor([7], dtype=torch.uint8), torch.tensor([8], dtype=torch.uint8)]}
-    gens = _Gens(2)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    ck.set_rng_state(old, [torch.device("cuda", 1)], set_cuda=gens.set)
-    assert [int(gens.states[i][0]) for i in (0, 1)] == [7, 8]
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match=r"state of 2 device\(s\), this worker trains on 1"):
-        ck.set_rng_state(old, [torch.device("cuda", 0)], set_cuda=_Gens(1).set)

@@ -26,14 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradpress.checkpoint import file_sha256, verify
+from gradpress.checkpoint import file_sha256, latest, verify
 from gradpress.train import TrainConfig
-from gradpress.train.checkpoints import (
-    TrainCheckpoints,
-    latest_valid,
-    params_sha256,
-    resolve_resume,
-)
+from gradpress.train.periodic import TrainCheckpoints, params_sha256, resolve_resume
 from gradpress.train.report import read_metrics
 from gradpress.train.restarts import last_step, start_from, trim_metrics
 from helpers import pid_of
@@ -89,10 +84,11 @@ def test_truncated_or_corrupt_file_is_refused_naming_it(tmp_path: Path) -> None:
         verify(e2)
 
 
-def test_old_checkpoints_without_checksums_still_verify(tmp_path: Path) -> None:
-    d = _fake_checkpoint(tmp_path / "old", 3, FILES, checksums=False)
-    (d / "worker1.pt").write_bytes(b"")
-    assert verify(d)["step"] == 3  # nothing to check against: loads as before
+def test_metadata_without_checksums_is_refused(tmp_path: Path) -> None:
+    d = _fake_checkpoint(tmp_path / "nosums", 3, FILES, checksums=False)
+    with pytest.raises(ValueError, match="lists no checksums"):
+        verify(d)
+    assert latest(tmp_path) is None
 
 
 def test_auto_resume_skips_refused_and_incomplete_checkpoints(
@@ -104,8 +100,8 @@ def test_auto_resume_skips_refused_and_incomplete_checkpoints(
     (bad / "worker0.pt").write_bytes(b"w0")
     (root / "step-8").mkdir()  # a save that crashed before its meta.json
     (root / "step-8" / "worker0.pt").write_bytes(b"partial")
-    with caplog.at_level(logging.WARNING, logger="gradpress.train.checkpoints"):
-        assert latest_valid(root) == root / "step-4"
+    with caplog.at_level(logging.WARNING, logger="gradpress.checkpoint"):
+        assert latest(root) == str((root / "step-4").resolve())
     text = caplog.text
     assert "skipping checkpoint" in text and "step-6" in text and "worker0.pt" in text
     assert "step-8" in text and "meta.json is missing" in text

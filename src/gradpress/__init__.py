@@ -12,6 +12,7 @@ The public API (see ``docs/reference/api.md``)::
     print(opt.plan().format())    # per tensor: exact or which codec, bytes per step, and why
     gp.broadcast_parameters(model.state_dict(), root_rank=0)
     gp.stats(); gp.shutdown()
+    gp.GradpressError, gp.CommTimeoutError, gp.CheckpointError, ...  # exceptions to catch
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ _LAZY = {
     "broadcast_parameters": "gradpress.torch.broadcast",
     "broadcast_optimizer_state": "gradpress.torch.broadcast",
     "broadcast_object": "gradpress.torch.broadcast",
+    # the exceptions a program catches (docs/reference/api.md, "Exceptions")
+    "GradpressError": "gradpress.ps.errors",
+    "CommTimeoutError": "gradpress.ps.errors",
+    "PeerError": "gradpress.ps.errors",
+    "PayloadError": "gradpress.ps.errors",
+    "AuthError": "gradpress.ps.errors",
+    "ConfigMismatchError": "gradpress.ps.errors",
+    "KeyCollisionError": "gradpress.ps.errors",
+    "NotInitializedError": "gradpress.ps.errors",
+    "CheckpointError": "gradpress.ps.errors",
+    "TrainingDiverged": "gradpress.train.guard",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -24,8 +24,8 @@ Usage (the script runs under ``gradpress launch``; ``--resume DIR`` sets ``GRADP
 
 Every file is written under a temporary name and renamed; ``meta.json`` records each file's
 sha256 and :func:`load` (and :func:`verify`) refuse a file whose checksum differs (a truncated or
-corrupt file) with a ValueError naming the file and both checksums. Checkpoints written before
-checksums existed (no ``"files"`` in ``meta.json``) still load, unverified.
+corrupt file) with a :class:`~gradpress.CheckpointError` (a ValueError) naming the file and both
+checksums.
 
 See docs/design.md (checkpoints) and docs/checkpoints.md.
 """
@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 from . import api
-from .ps.checkpointing import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
+from .ps.codec_state import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
+from .ps.errors import CheckpointError
 from .torch.broadcast import (
     broadcast_object,
     broadcast_optimizer_state,
@@ -74,19 +75,23 @@ def checkpoints_dir() -> str | None:
 
 
 def latest(root: str | os.PathLike) -> str | None:
-    """The newest (by saved step) complete checkpoint among the subdirectories of ``root``
-    whose files match their checksums; each refused one is logged as a warning and skipped
-    (a directory without ``meta.json`` silently: a save that did not finish). None if none.
-    Needs no running job."""
+    """The newest (by saved step) checkpoint among the subdirectories of ``root`` that is
+    complete and whose files match their checksums; None if there is none. Needs no running
+    job. Each subdirectory refused is logged as a warning and skipped: no ``meta.json`` (a save
+    that did not finish), unreadable metadata, a file that does not match its checksum. The one
+    finder of ``--resume auto`` and of the restarts of ``gradpress launch --max-restarts`` and
+    ``gradpress train --max-restarts``."""
     found = []
-    for d in Path(root).iterdir() if Path(root).is_dir() else ():
-        try:
-            meta = read_meta(d) if d.is_dir() else None
-        except ValueError as e:
-            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
+    for d in sorted(Path(root).iterdir()) if Path(root).is_dir() else ():
+        if not d.is_dir():
             continue
-        if meta is not None:
-            found.append((int(meta.get("step", 0)), d))
+        try:
+            meta = read_meta(d)
+            if meta is None:
+                raise ValueError(f"{META_FILE} is missing (the save did not finish)")
+            found.append((int(meta["step"]), d))
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("gradpress: skipping checkpoint %s: %s", d, e)
     for _, d in sorted(found, reverse=True):
         try:
             verify(d)
@@ -159,7 +164,7 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
 
     Steps:
 
-    1. read ``meta.json``, check the world sizes (ValueError naming both otherwise) and the
+    1. read ``meta.json``, check the world sizes (CheckpointError naming both otherwise) and the
        checksums of this worker's file and of the server files (:func:`verify`);
     2. worker 0 loads the model and the optimizer state and broadcasts both to every worker
        (the per-worker codec state is not broadcast; a per-worker optimizer state is loaded
@@ -179,8 +184,8 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
                   *(f"server{i}.pt" for i in range(int(meta["num_servers"])))])
     blob = load_file(worker_file(path, rank), f"worker {rank}")
     if blob.get("tag") != meta["tag"]:
-        raise ValueError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
-                         f"{blob.get('tag')!r}, meta.json has {meta['tag']!r})")
+        raise CheckpointError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
+                              f"{blob.get('tag')!r}, meta.json has {meta['tag']!r})")
     per_worker = bool(meta.get("per_worker_optimizer"))
     if rank == 0:  # step 2
         model.load_state_dict(blob["model"])
@@ -207,24 +212,27 @@ def verify(directory: str | os.PathLike, names: list[str] | None = None) -> dict
 
     Steps:
 
-    1. read ``meta.json`` (ValueError if it is missing: the save did not finish);
+    1. read ``meta.json`` (CheckpointError if it is missing: the save did not finish);
     2. for each file it lists (only ``names`` of them, if given), compute the sha256 of the
-       file's bytes and compare: a missing file or a different checksum is a ValueError naming
-       the file, the expected and the actual checksum. A ``meta.json`` without checksums (an
-       older checkpoint) passes unchecked.
+       file's bytes and compare: a missing file or a different checksum is a CheckpointError naming
+       the file, the expected and the actual checksum.
     """
     path = Path(directory).resolve()
     meta = read_meta(path)  # step 1
     if meta is None:
-        raise ValueError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is missing "
-                         f"(the save did not finish, or this is not a checkpoint directory)")
-    files = meta.get("files") or {}
+        raise CheckpointError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is "
+                              f"missing (the save did not finish, or this is not a checkpoint "
+                              f"directory)")
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path / META_FILE} lists no checksums (\"files\"): not a "
+                              f"checkpoint written by gradpress.checkpoint.save")
     for name in sorted(files if names is None else set(names) & set(files)):  # step 2
         f = path / name
         actual = file_sha256(f) if f.is_file() else "missing"
         if actual != files[name]:
-            raise ValueError(f"checkpoint file {f} is corrupt or truncated: its sha256 is "
-                             f"{actual}, {META_FILE} expects {files[name]}")
+            raise CheckpointError(f"checkpoint file {f} is corrupt or truncated: its sha256 is "
+                                  f"{actual}, {META_FILE} expects {files[name]}")
     return meta
 
 
@@ -258,14 +266,15 @@ def _check_args(directory: Any, model: Any, optimizer: Any) -> Path:
 def _check_meta(path: Path) -> dict[str, Any]:
     meta = read_meta(path)
     if meta is None:
-        raise ValueError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is missing "
-                         f"(the save did not finish, or this is not a checkpoint directory)")
+        raise CheckpointError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is "
+                              f"missing (the save did not finish, or this is not a checkpoint "
+                              f"directory)")
     lay = api._rt().cluster.layout
     saved = (meta.get("num_workers"), meta.get("num_servers"))
     if saved != (lay.num_workers, lay.num_servers):
-        raise ValueError(f"checkpoint {path} was saved by a job with {saved[0]} workers and "
-                         f"{saved[1]} servers, this job has {lay.num_workers} workers and "
-                         f"{lay.num_servers} servers; resume with the same world sizes")
+        raise CheckpointError(f"checkpoint {path} was saved by a job with {saved[0]} workers and "
+                              f"{saved[1]} servers, this job has {lay.num_workers} workers and "
+                              f"{lay.num_servers} servers; resume with the same world sizes")
     return meta
 
 
@@ -315,23 +324,19 @@ def rng_state(devices: list[torch.device],
 def set_rng_state(state: dict[str, Any], devices: list[torch.device],
                   set_cuda: Callable[[torch.Tensor, torch.device], None] | None = None) -> None:
     """Restore :func:`rng_state` output into the generators of ``devices`` (position by
-    position). A saved list of another length is a ValueError naming both counts; a process
-    that trains on no CUDA device ignores the saved CUDA state. A checkpoint written before
-    (``"cuda"``: every visible device by index) restores by index when the device counts
-    match. ``set_cuda`` is ``torch.cuda.set_rng_state`` (a parameter for tests)."""
+    position). A saved list of another length is a CheckpointError naming both counts; a process
+    that trains on no CUDA device ignores the saved CUDA state. ``set_cuda`` is
+    ``torch.cuda.set_rng_state`` (a parameter for tests)."""
     put = set_cuda or torch.cuda.set_rng_state
     torch.set_rng_state(state["torch"])
     saved = state.get("cuda_devices")
-    if saved is None and "cuda" in state and devices:  # older checkpoints
-        saved, devices = state["cuda"], [torch.device("cuda", i)
-                                         for i in range(torch.cuda.device_count())]
     if saved is None or not devices:
         return
     if len(saved) != len(devices):
-        raise ValueError(f"the checkpoint holds the CUDA RNG state of {len(saved)} device(s), "
-                         f"this worker trains on {len(devices)} "
-                         f"({', '.join(map(str, devices))}); resume with as many GPUs per "
-                         f"worker as the saved run")
+        raise CheckpointError(f"the checkpoint holds the CUDA RNG state of {len(saved)} "
+                              f"device(s), this worker trains on {len(devices)} "
+                              f"({', '.join(map(str, devices))}); resume with as many GPUs per "
+                              f"worker as the saved run")
     for s, d in zip(saved, devices):
         put(s, d)
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .netem import NetemError
+from .train.netem import NetemError
 
 if TYPE_CHECKING:
     from .launch import LaunchConfig
@@ -142,28 +142,25 @@ def _check_restarts(args: argparse.Namespace) -> None:
 
 
 def _launch_with_restarts(cfg: LaunchConfig, max_restarts: int) -> int:
-    """``launch(cfg)``; after a failure (not Ctrl-C or SIGTERM: 130, 143) launch again with
-    ``GRADPRESS_RESUME`` set to the newest valid checkpoint under ``GRADPRESS_CHECKPOINTS``
-    (:func:`gradpress.checkpoint.latest`; none: the job's own ``--resume``, or the start), at
-    most ``max_restarts`` times."""
+    """``launch(cfg)`` under :func:`gradpress.launch.restart_loop`: a failed job is launched
+    again with ``GRADPRESS_RESUME`` set to the newest valid checkpoint under
+    ``GRADPRESS_CHECKPOINTS`` (none: the job's own ``--resume``, or the start)."""
     import dataclasses
 
-    from .launch import launch
+    from .launch import launch, restart_loop
 
-    code, count = launch(cfg), 0
-    while code not in (0, 130, 143) and count < max_restarts:
-        from .checkpoint import latest
+    def run(resume: str | None) -> int:
+        env = {k: v for k, v in cfg.env.items() if k != "GRADPRESS_RESUME"}
+        return launch(dataclasses.replace(
+            cfg, env={**env, **({"GRADPRESS_RESUME": resume} if resume else {})}))
 
-        env = dict(cfg.env)
-        root = env.get("GRADPRESS_CHECKPOINTS")
-        found = latest(root) if root else None
-        if found is not None:
-            env["GRADPRESS_RESUME"] = found
-        count += 1
+    def announce(code: int, count: int, resume: str | None) -> None:
         print(f"gradpress launch: the job failed (exit status {code}); restart {count} of "
-              f"{max_restarts} from {env.get('GRADPRESS_RESUME') or 'the start'}",
-              file=sys.stderr, flush=True)
-        code = launch(dataclasses.replace(cfg, env=env))
+              f"{max_restarts} from {resume or 'the start'}", file=sys.stderr, flush=True)
+
+    code, _ = restart_loop(run, checkpoints=cfg.env.get("GRADPRESS_CHECKPOINTS"),
+                           resume=cfg.env.get("GRADPRESS_RESUME"), max_restarts=max_restarts,
+                           announce=announce)
     return code
 
 

@@ -3,14 +3,14 @@
 
     from gradpress.huggingface import TwoWayCompressionCallback
     trainer = Trainer(model=model, args=args, train_dataset=ds)
-    trainer.add_callback(TwoWayCompressionCallback(trainer, spec="onebit"))
+    trainer.add_callback(TwoWayCompressionCallback(trainer, compression="onebit"))
     trainer.train()        # under torchrun --nproc-per-node N
 
 What it does, per event:
 
 1. ``on_train_begin`` (after the Trainer wrapped the model in DDP, before the first backward):
-   registers :func:`~gradpress.ddp_hook.two_way_compression_hook` with this callback's
-   :class:`~gradpress.ddp_hook.TwoWayCompressionState` on ``trainer.model_wrapped``. When the
+   registers :func:`~gradpress.ddp.two_way_compression_hook` with this callback's
+   :class:`~gradpress.ddp.TwoWayCompressionState` on ``trainer.model_wrapped``. When the
    run resumes from ``output_dir/checkpoint-<step>`` (``trainer.train(resume_from_checkpoint=
    ...)``), the hook's residuals saved there by step 3 are loaded first.
 2. ``on_step_begin``: gives the hook the current learning rate (``ef="corrected"`` and
@@ -40,8 +40,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('gradpress.huggingface needs the transformers package: '
                       'pip install "gradpress[hf]"') from e
 
+from . import defaults
 from .compress import EFSpec
-from .ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from .compress.spec import Compression
+from .ddp import TwoWayCompressionState, two_way_compression_hook
 
 __all__ = ["TwoWayCompressionCallback", "STATE_DIR"]
 
@@ -57,10 +59,11 @@ class TwoWayCompressionCallback(TrainerCallback):
     Args:
         trainer: the ``transformers.Trainer`` (its ``model_wrapped`` is the DDP model once
             training begins; callbacks are not otherwise given it).
-        state: a :class:`~gradpress.ddp_hook.TwoWayCompressionState`; by default one built from
-            ``spec``, ``ef``, ``min_compress_bytes``, ``dense_steps`` and ``seed``, which have
-            that class's meanings and defaults (``min_compress_bytes`` 1 MiB: lower it for a
-            small model, whose DDP buckets are smaller).
+        state: a :class:`~gradpress.ddp.TwoWayCompressionState`; by default one built from
+            ``compression`` (a spec string, a BytePS-style dict or a ``CodecSpec``), ``ef``,
+            ``min_compress_bytes``, ``dense_steps`` and ``seed``, which have that class's
+            meanings and defaults (``min_compress_bytes`` 1 MiB: lower it for a small model,
+            whose DDP buckets are smaller); ignored when ``state`` is given.
         save_state: write the hook state into every Trainer checkpoint (``on_save``) and load it
             when training resumes from one. Default True.
 
@@ -69,8 +72,10 @@ class TwoWayCompressionCallback(TrainerCallback):
     """
 
     def __init__(self, trainer: Any, state: TwoWayCompressionState | None = None, *,
-                 spec: str = "onebit", ef: str | EFSpec | None = "vanilla",
-                 min_compress_bytes: int = 1 << 20, dense_steps: int = 0, seed: int = 0,
+                 compression: Compression = defaults.COMPRESSION,
+                 ef: str | EFSpec | None = defaults.EF,
+                 min_compress_bytes: int = defaults.HOOK_MIN_COMPRESS_BYTES,
+                 dense_steps: int = defaults.WRAPPER_DENSE_STEPS, seed: int = 0,
                  save_state: bool = True) -> None:
         if state is not None and not isinstance(state, TwoWayCompressionState):
             raise TypeError(f"TwoWayCompressionCallback: state must be a "
@@ -80,7 +85,8 @@ class TwoWayCompressionCallback(TrainerCallback):
                             f"got {type(trainer).__name__}")
         self.trainer = trainer
         self.state = state if state is not None else TwoWayCompressionState(
-            spec, ef, min_compress_bytes=min_compress_bytes, dense_steps=dense_steps, seed=seed)
+            compression, ef, min_compress_bytes=min_compress_bytes, dense_steps=dense_steps,
+            seed=seed)
         self.save_state = save_state
         self._hooked: Any = None  # the DDP module the hook is registered on
 

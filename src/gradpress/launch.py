@@ -40,7 +40,10 @@ from .ps.config import available_cores
 if TYPE_CHECKING:  # torch is imported after the children started (it takes seconds)
     import torch.distributed as dist
 
-__all__ = ["LaunchConfig", "launch"]
+__all__ = ["LaunchConfig", "launch", "restart_loop", "INTERRUPTED"]
+
+#: Exit statuses of a job stopped by SIGINT or SIGTERM (Ctrl-C, ``kill``): never restarted.
+INTERRUPTED = (130, 143)
 
 _FAILED_KEY = "launch/failed"
 _POLL_S = 0.05
@@ -350,3 +353,33 @@ def launch(cfg: LaunchConfig) -> int:
             sock.close()
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def restart_loop(run: Callable[[str | None], int], *, checkpoints: str | os.PathLike | None,
+                 resume: str | None, max_restarts: int,
+                 announce: Callable[[int, int, str | None], None]) -> tuple[int, int]:
+    """The one restart loop, of ``gradpress launch --max-restarts`` and ``gradpress train
+    --max-restarts``. ``run(r)`` runs the whole job from checkpoint ``r`` (None: the start)
+    and returns its exit status; the first run starts from ``resume``.
+
+    After a failure (any status but 0 and :data:`INTERRUPTED`), at most ``max_restarts`` times:
+
+    1. find the newest valid checkpoint under ``checkpoints``
+       (:func:`gradpress.checkpoint.latest`; none there: ``resume``, where the job started);
+    2. ``announce(status, restart number, checkpoint)``: the caller says what failed and where
+       the job restarts (``gradpress train`` also cuts its run directory back to it);
+    3. run the job again from it.
+
+    Returns the last exit status and the number of restarts.
+    """
+    from .checkpoint import latest
+
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+    code, count = run(resume), 0
+    while code != 0 and code not in INTERRUPTED and count < max_restarts:
+        found = (latest(checkpoints) if checkpoints else None) or resume  # step 1
+        count += 1
+        announce(code, count, found)  # step 2
+        code = run(found)  # step 3
+    return code, count

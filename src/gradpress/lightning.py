@@ -7,7 +7,7 @@ Two routes, both a drop-in ``Trainer(strategy=...)`` for an unchanged ``Lightnin
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=TwoWayCompressionStrategy())
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ParameterServerStrategy("onebit"))
 
-* :class:`TwoWayCompressionStrategy`: DDP with :func:`~gradpress.ddp_hook.two_way_compression_hook`
+* :class:`TwoWayCompressionStrategy`: DDP with :func:`~gradpress.ddp.two_way_compression_hook`
   registered on any device (Lightning's ``DDPStrategy`` registers communication hooks only on
   CUDA, so ``DDPStrategy(ddp_comm_hook=...)`` on CPU silently trains uncompressed).
 * :class:`ParameterServerStrategy`: no DDP; gradpress's parameter servers (colocated, one engine
@@ -41,8 +41,8 @@ except ImportError as _e:  # pragma: no cover - exercised without lightning inst
                       'pip install "gradpress[lightning]"') from _e
 
 from . import api, defaults
-from .compress.spec import CodecSpec, EFSpec
-from .ddp_hook import TwoWayCompressionState, two_way_compression_hook
+from .compress.spec import Compression, EFSpec
+from .ddp import TwoWayCompressionState, two_way_compression_hook
 from .torch.broadcast import broadcast_parameters
 from .torch.optimizer import DistributedOptimizer
 
@@ -106,11 +106,13 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
     """A ``DDPStrategy`` that registers its communication hook on every device, CPU included.
 
     Takes ``DDPStrategy``'s arguments. ``ddp_comm_hook`` defaults to
-    :func:`~gradpress.ddp_hook.two_way_compression_hook` and ``ddp_comm_state`` to
-    ``TwoWayCompressionState()`` (onebit, vanilla error feedback, buckets from 1 MiB; build your
-    own state for other settings). Replicas stay bit-identical (every rank decodes the same
-    bytes). ``log_stats`` (default True) logs the bytes sent after each optimizer step
-    (:attr:`compression_stats`). Recipes: ``docs/integrations.md#pytorch-lightning``.
+    :func:`~gradpress.ddp.two_way_compression_hook` and ``ddp_comm_state`` to
+    ``TwoWayCompressionState(compression)``: ``compression`` (default ``"onebit"``) is a spec
+    string, a BytePS-style dict or a ``CodecSpec``, with vanilla error feedback and buckets from
+    1 MiB; build your own state for other settings (then leave ``compression`` out). Replicas
+    stay bit-identical (every rank decodes the same bytes). ``log_stats`` (default True) logs
+    the bytes sent after each optimizer step (:attr:`compression_stats`). Recipes:
+    ``docs/integrations.md#pytorch-lightning``.
 
     Checkpoints (``Trainer.save_checkpoint``, ``ModelCheckpoint``; collective on every rank):
 
@@ -122,18 +124,26 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
 
     _KIND = "two_way_hook"
 
-    def __init__(self, *, ddp_comm_state: object | None = None,
+    def __init__(self, *, compression: Compression | None = None,
+                 ddp_comm_state: object | None = None,
                  ddp_comm_hook: Callable[..., Any] | None = two_way_compression_hook,
                  log_stats: bool = True, **kwargs: Any) -> None:
+        if compression is not None and (ddp_comm_state is not None
+                                        or ddp_comm_hook is not two_way_compression_hook):
+            raise TypeError("TwoWayCompressionStrategy: compression sets the default hook's "
+                            "state; give either compression or ddp_comm_state/ddp_comm_hook, "
+                            f"got compression={compression!r} with {ddp_comm_state!r}, "
+                            f"{getattr(ddp_comm_hook, '__name__', ddp_comm_hook)}")
         if ddp_comm_state is None and ddp_comm_hook is two_way_compression_hook:
-            ddp_comm_state = TwoWayCompressionState()
+            ddp_comm_state = TwoWayCompressionState(
+                "onebit" if compression is None else compression)
         super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, **kwargs)
         self._log_stats = log_stats
         self._hook_registered = False
 
     @property
     def comm_state(self) -> object | None:
-        """The hook's state (a :class:`~gradpress.ddp_hook.TwoWayCompressionState` by default)."""
+        """The hook's state (a :class:`~gradpress.ddp.TwoWayCompressionState` by default)."""
         return self._ddp_comm_state
 
     @property
@@ -243,8 +253,8 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
 
     _KIND = "parameter_server"
 
-    def __init__(self, compression: str | Mapping[str, Any] | CodecSpec | None
-                 = defaults.COMPRESSION, ef: str | EFSpec | None = defaults.EF, *,
+    def __init__(self, compression: Compression | None = defaults.COMPRESSION,
+                 ef: str | EFSpec | None = defaults.EF, *,
                  momentum: str | None = None, mu: float = defaults.SGD_MOMENTUM,
                  min_compress_bytes: int | str | None = defaults.MIN_COMPRESS_BYTES,
                  dense_steps: int = defaults.WRAPPER_DENSE_STEPS, nan_policy: str = "raise",

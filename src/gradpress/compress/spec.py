@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Param", "CodecSpec", "parse_spec", "parse_bool", "parse_k", "choice", "EFSpec",
-           "parse_ef", "EF_KINDS"]
+__all__ = ["Param", "CodecSpec", "Compression", "parse_spec", "parse_bool", "parse_k", "choice",
+           "EFSpec", "parse_ef", "EF_KINDS"]
 
 WRAPPER_KEYS = ("ef", "momentum", "mu")
 
@@ -50,6 +50,11 @@ class CodecSpec:
 
     def fingerprint(self, resolved: Mapping[str, Any]) -> int:
         return zlib.crc32(self.canonical(resolved).encode()) & 0xFFFFFFFF
+
+
+#: What every ``compression=`` argument takes (push_pull, the optimizers, the DDP hook and the
+#: integrations), read by :func:`parse_spec`: a spec string, a BytePS-style dict or a CodecSpec.
+Compression = str | Mapping[str, Any] | CodecSpec
 
 
 def parse_bool(v: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Exceptions of the parameter-server runtime.
+"""Exceptions of the parameter-server runtime and of its checkpoints (all importable from
+``gradpress``).
 
 Every error raised while waiting names what was waited for: the key (and the tensor name and
 chunk when known), the peer (role and rank, e.g. ``server 1 (rank 3)``) and the stage
@@ -8,7 +9,7 @@ chunk when known), the peer (role and rank, e.g. ``server 1 (rank 3)``) and the 
 from __future__ import annotations
 
 __all__ = ["GradpressError", "CommTimeoutError", "PeerError", "PayloadError", "AuthError",
-           "ConfigMismatchError", "KeyCollisionError", "NotInitializedError"]
+           "ConfigMismatchError", "KeyCollisionError", "NotInitializedError", "CheckpointError"]
 
 
 class GradpressError(RuntimeError):
@@ -54,3 +55,9 @@ class KeyCollisionError(GradpressError):
 
 class NotInitializedError(GradpressError):
     """A gradpress function was called before ``gradpress.init()`` (or after ``shutdown()``)."""
+
+
+class CheckpointError(GradpressError, ValueError):
+    """A checkpoint was refused: incomplete (no ``meta.json``), a file missing, corrupt or
+    truncated (its sha256 differs from ``meta.json``'s), files of two saves mixed, or saved by
+    a job of other world sizes, model or compression; the message names the file."""

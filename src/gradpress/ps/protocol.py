@@ -5,7 +5,7 @@
       offset size field
       0      1    op      (1 = push announcement, 2 = stop, 3 = save server state,
                            4 = load server state; for 3 and 4 ``step`` is the request number,
-                           see :mod:`gradpress.ps.checkpointing`; 5 = inline push)
+                           see :mod:`gradpress.ps.codec_state`; 5 = inline push)
       1      3    padding
       4      4    key     (uint32; the gloo tag of the payload that follows)
       8      8    step    (int64; the key's step counter)
@@ -22,7 +22,7 @@
 * Key descriptors (JSON in the TCP store under ``k/<key>``): written once per key with
   ``compare_set`` by the first worker to use it; every other worker compares its own and a
   difference is a clear error; servers read them to build their codecs.
-* Server state requests (:mod:`gradpress.ps.checkpointing`): agreed in the TCP store under
+* Server state requests (:mod:`gradpress.ps.codec_state`): agreed in the TCP store under
   ``state/<seq>``, announced with ``OP_SAVE``/``OP_LOAD`` control messages, acknowledged under
   ``state/<seq>/ack/<server>``.
 
@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from ..compress.base import Codec
 from .errors import (
+    CheckpointError,
     CommTimeoutError,
     ConfigMismatchError,
     GradpressError,
@@ -298,9 +299,9 @@ def request_server_op(cluster: Cluster, transport: Transport, timeout: float, se
     acks = _wait_acks(cluster, seq, timeout, op)  # step 4
     failed = [f"{cluster.describe(lay.server_rank(s))}: {acks[s]}" for s in servers
               if acks[s] != "ok"]
-    if failed:
-        raise GradpressError(f"{op} of server state in {directory} failed on "
-                             f"{'; '.join(failed)}")
+    if failed:  # a refused load is a refused checkpoint; a failed save, a runtime failure
+        raise (CheckpointError if op == "load" else GradpressError)(
+            f"{op} of server state in {directory} failed on {'; '.join(failed)}")
 
 
 def _wait_acks(cluster: Cluster, seq: int, timeout: float, op: str) -> list[str]:

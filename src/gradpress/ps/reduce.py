@@ -1,7 +1,7 @@
 """The server's arithmetic for one key and step (BytePS-Compress, Zhong et al. 2021): decode and
 sum the workers' pushes in rank order, average, and compress the result with the server's
 error feedback. One implementation, shared by the parameter server
-(:mod:`gradpress.ps.server`) and the DDP hook (:mod:`gradpress.ddp_hook`, whose ranks each
+(:mod:`gradpress.ps.server`) and the DDP hook (:mod:`gradpress.ddp`, whose ranks each
 serve a shard), so both send the same bytes for the same pushes."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the same bytes to every worker (the two-way compression of BytePS-Compress, Zhong et al. 2021).
 
 :func:`~gradpress.ps.reduce.reduce_pushes` is the server's arithmetic, the one implementation
-shared by the parameter server below and the DDP hook (:mod:`gradpress.ddp_hook`, whose ranks
+shared by the parameter server below and the DDP hook (:mod:`gradpress.ddp`, whose ranks
 each serve a shard).
 
 Per key and step:
@@ -47,8 +47,8 @@ from collections.abc import Iterator
 import torch
 
 from ..compress import build, parse_ef
-from .checkpointing import ServerCheckpoint
 from .cluster import Cluster
+from .codec_state import ServerCheckpoint
 from .config import ClusterConfig, PSConfig
 from .errors import ConfigMismatchError, GradpressError, PayloadError
 from .handoff import HandOff
@@ -112,7 +112,7 @@ class KeyState:
 class ServerEngine:
     """Server ``index`` of the job, running on threads of the current process (its keys' state,
     loaded from ``cfg.resume`` before serving: ``checkpoint``, a
-    :class:`~gradpress.ps.checkpointing.ServerCheckpoint`).
+    :class:`~gradpress.ps.codec_state.ServerCheckpoint`).
 
     Args:
         cluster: the joined job.
@@ -237,7 +237,7 @@ class ServerEngine:
             msg = read_control(buf[:CTRL_BYTES], sender=who, receiver=self.name)  # hostile input
             if msg.op == OP_STOP:
                 break
-            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.checkpointing)
+            if msg.op in (OP_SAVE, OP_LOAD):  # checkpoint request (gradpress.ps.codec_state)
                 self.checkpoint.request(w, msg)
                 continue
             if msg.key not in self._keys:

@@ -1,6 +1,6 @@
 """The worker pipeline of ``push_pull`` (BytePS-Compress, Zhong et al. 2021).
 
-For each tensor: look up (or create) its plan (:mod:`gradpress.ps.planning`: chunks, keys,
+For each tensor: look up (or create) its plan (:mod:`gradpress.ps.keyplan`: chunks, keys,
 servers, codecs), and per chunk:
 
 1. dispatch, in submission order: a chunk takes room in the in-flight byte budget
@@ -71,12 +71,12 @@ from .calls import (
     decode_chunk,
     flat_fp32,
 )
-from .checkpointing import WorkerCheckpoint
 from .cluster import Cluster
+from .codec_state import WorkerCheckpoint
 from .config import PSConfig
 from .errors import GradpressError
 from .handoff import HandOff
-from .planning import Planner
+from .keyplan import Planner
 from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, pack_control
 from .trace import Tracer
 from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport, fits_inline, head_room
@@ -88,7 +88,7 @@ log = logging.getLogger(__name__)
 
 class WorkerEngine:
     """The push/pull pipeline of one worker process (its codec state: ``checkpoint``, a
-    :class:`~gradpress.ps.checkpointing.WorkerCheckpoint`).
+    :class:`~gradpress.ps.codec_state.WorkerCheckpoint`).
 
     Args:
         cluster: the joined job.

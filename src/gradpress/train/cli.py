@@ -20,9 +20,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import resolve_resume
 from .config import TrainConfig
 from .options import add_arguments, from_namespace
+from .periodic import resolve_resume
 from .report import (
     format_run,
     format_table,

@@ -5,12 +5,15 @@ died: the launcher ends every other process and returns non-zero, see ``docs/rel
 a hung process makes the others' waits time out, which ends the job the same way), it:
 
 1. finds the newest complete checkpoint whose checksums match under ``OUT/checkpoints``
-   (:func:`gradpress.train.checkpoints.latest_valid`; none: the start of the run);
+   (:func:`gradpress.checkpoint.latest`; none: where the run started, its ``--resume`` or
+   step 0);
 2. cuts the run directory back to that step (:func:`start_from`: the steps after it are
    redone);
 3. launches the whole job again with ``resume`` set to that checkpoint,
 
 at most ``max_restarts`` times; an interrupted job (Ctrl-C: exit 130 or 143) is not restarted.
+The loop is :func:`gradpress.launch.restart_loop`, the one ``gradpress launch --max-restarts``
+runs too.
 ``report.json`` records ``restarts: {"count", "steps_redone"}``.
 """
 
@@ -23,15 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import SUBDIR, checkpoint_step, checkpoints, resolve_resume
+from ..launch import INTERRUPTED, restart_loop
 from .config import TrainConfig
+from .periodic import SUBDIR, checkpoint_step, checkpoints
 from .report import read_metrics
 
 __all__ = ["INTERRUPTED", "trim_metrics", "last_step", "start_from", "run_with_restarts"]
-
-#: Exit statuses of a job stopped by SIGINT or SIGTERM: never restarted.
-INTERRUPTED = (130, 143)
-
 
 def last_step(metrics: str | Path) -> int:
     """The highest step recorded in ``metrics.jsonl`` (0 when none)."""
@@ -74,20 +74,22 @@ def start_from(out: str | Path, resume: str | None) -> int:
 
 def run_with_restarts(cfg: TrainConfig, launch: Callable[[TrainConfig], int]
                       ) -> tuple[int, dict[str, Any]]:
-    """Run ``launch(cfg)``; after a failure restart from the newest valid checkpoint (steps
-    1-3 of the module docstring), at most ``cfg.max_restarts`` times. Returns the last exit
-    status and ``{"count", "steps_redone"}``."""
+    """Run ``launch(cfg)`` under :func:`gradpress.launch.restart_loop` (steps 1-3 of the module
+    docstring), at most ``cfg.max_restarts`` times. Returns the last exit status and
+    ``{"count", "steps_redone"}``."""
     metrics = Path(cfg.out) / "metrics.jsonl"
-    info: dict[str, Any] = {"count": 0, "steps_redone": 0}
-    code = launch(cfg)
-    while code != 0 and code not in INTERRUPTED and info["count"] < cfg.max_restarts:
+    redone = 0
+
+    def announce(code: int, count: int, resume: str | None) -> None:
+        nonlocal redone
         reached = last_step(metrics)
-        resume = resolve_resume("auto", cfg.out)  # step 1
         start = start_from(cfg.out, resume)  # step 2
-        info["count"] += 1
-        info["steps_redone"] += max(0, reached - start)
+        redone += max(0, reached - start)
         print(f"gradpress train: the job failed (exit status {code}) at step {reached}; restart "
-              f"{info['count']} of {cfg.max_restarts} from "
-              f"{resume or 'the start'} (step {start})", flush=True)
-        code = launch(cfg.replace(resume=resume))  # step 3
-    return code, info
+              f"{count} of {cfg.max_restarts} from {resume or 'the start'} (step {start})",
+              flush=True)
+
+    code, count = restart_loop(lambda resume: launch(cfg.replace(resume=resume)),  # 1 and 3
+                               checkpoints=Path(cfg.out) / SUBDIR, resume=cfg.resume,
+                               max_restarts=cfg.max_restarts, announce=announce)
+    return code, {"count": count, "steps_redone": redone}

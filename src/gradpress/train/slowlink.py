@@ -2,7 +2,7 @@
 
 :func:`check_bandwidth` validates ``RATE`` and the environment (root, ``ip netns``, ``tc``)
 before anything is created. :func:`launch_limited` creates a fresh network namespace whose
-loopback has a token-bucket filter at ``RATE`` (:func:`gradpress.netem.rate_limited_namespace`)
+loopback has a token-bucket filter at ``RATE`` (:func:`.netem.rate_limited_namespace`)
 and runs ``gradpress launch`` inside it: the TCP store, every worker and every server talk over
 that one loopback, so all of the job's traffic (both workers' pushes and pulls) shares ``RATE``.
 The namespace, and anything still running in it, is deleted when the launcher returns, also on
@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..netem import (
+from .netem import (
     NetemError,
     check_environment,
     parse_rate,

@@ -10,7 +10,7 @@ For each run:
 
 1. Build the task's model from the run's seed (identical on every worker), the configured
    optimizer behind ``gp.DistributedOptimizer``, and broadcast the parameters from rank 0 (or,
-   with ``resume``, load the checkpoint: :mod:`gradpress.train.checkpoints`).
+   with ``resume``, load the checkpoint: :mod:`gradpress.train.periodic`).
 2. For each step: take this worker's shard of the global batch, forward and backward (the
    gradient hooks start the compressed push_pulls during backward), apply the lr schedule,
    synchronize and step; rank 0 logs loss, bytes and stage times to ``metrics.jsonl``.
@@ -35,9 +35,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import TrainCheckpoints, params_sha256
 from .config import TrainConfig
 from .guard import TrainingDiverged
+from .periodic import TrainCheckpoints, params_sha256
 from .session import Session
 
 __all__ = ["run_task", "train_steps", "total_steps", "main"]

@@ -6,8 +6,8 @@ Methods and System") without separate server processes. Every rank serves one sh
 gradient bucket, as a reduce-scatter/all-gather allreduce does, and the pushes and the replies are
 both compressed with error feedback::
 
-    from gradpress.ddp_hook import TwoWayCompressionState, two_way_compression_hook
-    state = TwoWayCompressionState(spec="onebit", ef="vanilla", min_compress_bytes=1 << 20)
+    from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
+    state = TwoWayCompressionState(compression="onebit", ef="vanilla", min_compress_bytes=1 << 20)
     ddp_model.register_comm_hook(state, two_way_compression_hook)
 
 Modelled on PyTorch's ``ddp_comm_hooks/powerSGD_hook.py``: a state object holding the
@@ -24,7 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._ddp_buckets import (
+from .. import defaults
+from ..compress import Codec, CodecSpec, EFSpec, build, parse_ef, parse_spec
+from ..compress.registry import pick_ef
+from ..compress.spec import Compression
+from ..ps.errors import GradpressError, PayloadError
+from .buckets import (
     BucketCodecs,
     BucketExchange,
     all_gather_async,
@@ -32,15 +37,13 @@ from ._ddp_buckets import (
     finish,
     reduce_shard,
 )
-from ._ddp_checks import (
+from .checks import (
     DeviceCheck,
     finish_deferred,
     mark_rejected,
     raise_failed,
     reduce_shard_deferred,
 )
-from .compress import Codec, EFSpec, build
-from .ps.errors import GradpressError, PayloadError
 
 __all__ = ["TwoWayCompressionState", "two_way_compression_hook"]
 
@@ -57,17 +60,21 @@ class TwoWayCompressionState:
     index: one worker codec per shard (error-feedback residual per (bucket, shard)), one server
     codec for the shard this rank owns (the server residual), a step counter, and wire buffers.
 
-    1. ``spec`` (default ``"onebit"``) is the codec spec string, e.g. ``"onebit"``,
-       ``"topk:k=0.001,values=fp16"``, ``"randomk:k=0.01"``, ``"dithering:s=7"``. It sets the
-       compression rate: onebit sends ~1 bit/element; topk/randomk ``k`` is a fraction of each
-       shard. Start with ``onebit`` or ``topk:k=0.01``; lower k only while accuracy holds.
-       ``"none"`` sends fp32 (a reference that matches DDP's own allreduce).
+    1. ``compression`` (default ``"onebit"``) is the codec, given as everywhere in gradpress:
+       a spec string (``"onebit"``, ``"topk:k=0.001,values=fp16"``, ``"randomk:k=0.01"``,
+       ``"dithering:s=7"``), a BytePS-style dict (``{"compressor": "topk", "k": 0.01}``) or a
+       :class:`~gradpress.compress.CodecSpec`. It sets the compression rate: onebit sends ~1
+       bit/element; topk/randomk ``k`` is a fraction of each shard. Start with ``onebit`` or
+       ``topk:k=0.01``; lower k only while accuracy holds. ``"none"`` sends fp32 (a reference
+       that matches DDP's own allreduce). Read back as a ``CodecSpec`` (without ``ef``).
     2. ``ef`` (default ``"vanilla"``) is the error feedback on both sides, an
-       :class:`~gradpress.compress.EFSpec` or its text (``None``, ``"vanilla"``,
-       ``"corrected"`` which needs ``lr``, ``"sparse"`` for randomk). Keep it on
-       for biased codecs (onebit, topk): without it they usually lose accuracy. It costs one fp32
-       copy of the gradients (plus a scratch) on every rank, and 1/world_size of that on the
-       server side.
+       :class:`~gradpress.compress.EFSpec` or its text (``"none"``: off, ``"vanilla"``,
+       ``"corrected"`` which needs ``lr``, ``"sparse"`` for randomk; ``None``: the one inside
+       ``compression``, e.g. a dict's ``"ef"`` key, else off). An ``ef`` inside
+       ``compression`` must agree with this argument (ValueError). Keep it on for biased codecs
+       (onebit, topk): without it they usually lose accuracy. It costs one fp32 copy of the
+       gradients (plus a scratch) on every rank, and 1/world_size of that on the server side.
+       Read back as an ``EFSpec``.
     3. ``min_compress_bytes`` (default 1 MiB): buckets whose fp32 size is below it are averaged
        with a plain allreduce; every shard of a larger bucket is compressed. Small tensors gain
        little from compression and pay its per-call cost; raise it if compression time shows up
@@ -91,23 +98,31 @@ class TwoWayCompressionState:
     counters are saved by :meth:`state_dict` (per rank: each rank has its own residuals).
     """
 
-    __slots__ = ("process_group", "_lr", "_spec", "_ef", "_min_compress_bytes",
+    __slots__ = ("process_group", "_lr", "_compression", "_ef", "_min_compress_bytes",
                  "_dense_steps", "_seed", "_overlap", "iter", "_buckets", "_steps",
                  "_loaded", "_resumed_at", "_inflight", "_stats", "_error", "_defer",
                  "_checks")
 
-    def __init__(self, spec: str = "onebit", ef: str | EFSpec | None = "vanilla", *,
-                 min_compress_bytes: int = 1 << 20, dense_steps: int = 0, seed: int = 0,
-                 overlap: bool = True, lr: float | None = None, process_group: Any = None) -> None:
-        if not isinstance(spec, str):
-            raise TypeError(f"TwoWayCompressionState: spec must be a spec string such as "
-                            f"'onebit', got {type(spec).__name__}")
+    def __init__(self, compression: Compression = defaults.COMPRESSION,
+                 ef: str | EFSpec | None = defaults.EF, *,
+                 min_compress_bytes: int = defaults.HOOK_MIN_COMPRESS_BYTES,
+                 dense_steps: int = defaults.WRAPPER_DENSE_STEPS, seed: int = 0,
+                 overlap: bool = True,
+                 lr: float | None = None, process_group: Any = None) -> None:
+        if compression is None:
+            raise TypeError("TwoWayCompressionState: compression must be a spec string, a "
+                            "BytePS-style dict or a CodecSpec (e.g. 'onebit'; 'none' for "
+                            "fp32), got None")
         for name, v in (("min_compress_bytes", min_compress_bytes),
                         ("dense_steps", dense_steps), ("seed", seed)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TwoWayCompressionState: {name} must be an int >= 0, got {v!r}")
-        build(spec, 16, ef=ef, seed=seed)  # validates spec and ef now (ValueError names them)
-        self._spec, self._ef, self._seed = spec, ef, seed
+        cs = parse_spec(compression)  # the one parser of push_pull and the optimizers
+        wrappers = dict(cs.wrappers)
+        self._ef = parse_ef(pick_ef(ef, wrappers.pop("ef", None), compression))
+        self._compression = CodecSpec(cs.name, dict(cs.params), wrappers)
+        self._seed = seed
+        build(self._compression, 16, ef=self._ef, seed=seed)  # ValueError naming a bad value
         self._min_compress_bytes = min_compress_bytes
         self._dense_steps = dense_steps
         self._overlap = bool(overlap)
@@ -133,8 +148,9 @@ class TwoWayCompressionState:
         self._stats = dict.fromkeys(("compressed_buckets", "allreduced_buckets", "dense_bytes",
                                      "payload_bytes", "allreduce_bytes"), 0)
 
-    spec = property(lambda self: self._spec, doc="codec spec string")
-    ef = property(lambda self: self._ef, doc="error-feedback kind (both sides)")
+    compression = property(lambda self: self._compression,
+                           doc="the codec, a CodecSpec (its error feedback is ``ef``)")
+    ef = property(lambda self: self._ef, doc="the error feedback (both sides), an EFSpec")
     min_compress_bytes = property(lambda self: self._min_compress_bytes)
     dense_steps = property(lambda self: self._dense_steps)
     seed = property(lambda self: self._seed)
@@ -154,14 +170,14 @@ class TwoWayCompressionState:
         self._lr = None if value is None else float(value)
 
     def __repr__(self) -> str:
-        return (f"TwoWayCompressionState(spec={self.spec!r}, ef={self.ef!r}, "
+        return (f"TwoWayCompressionState(compression={self.compression!r}, ef={str(self.ef)!r}, "
                 f"min_compress_bytes={self.min_compress_bytes}, iter={self.iter}, "
                 f"buckets={len(self._buckets)})")
 
     def _build(self, numel: int) -> Codec:
         """A shard's codec: every shard of a compressed bucket uses the spec (the size rule is
         the bucket's: fp32 shards with headers would cost more than a plain allreduce)."""
-        return build(self._spec, numel, ef=self._ef, seed=self._seed)
+        return build(self._compression, numel, ef=self._ef, seed=self._seed)
 
     def _group(self) -> Any:
         return self.process_group if self.process_group is not None else dist.group.WORLD
@@ -220,14 +236,14 @@ class TwoWayCompressionState:
         """Hyperparameters and :meth:`state_dict`; the process group is dropped (not picklable)."""
         log.info("TwoWayCompressionState: the process group is not pickled; the default group "
                  "is used after unpickling unless process_group is set")
-        hyper = {n: getattr(self, n) for n in ("spec", "ef", "min_compress_bytes",
+        hyper = {n: getattr(self, n) for n in ("compression", "ef", "min_compress_bytes",
                                                "dense_steps", "seed", "overlap", "lr")}
         return {"hyper": hyper, "state": self.state_dict()}
 
     def __setstate__(self, d: Mapping[str, Any]) -> None:
         """Rebuild from :meth:`__getstate__` output; codecs are re-created lazily."""
         h = dict(d["hyper"])
-        TwoWayCompressionState.__init__(self, h.pop("spec"), h.pop("ef"), **h)
+        TwoWayCompressionState.__init__(self, h.pop("compression"), h.pop("ef"), **h)
         self.load_state_dict(d["state"])
 
     # -- hook machinery ---------------------------------------------------------------------------
@@ -434,7 +450,7 @@ def two_way_compression_hook(
        bucket buffer; the bytes are identical on every rank, so the replicas stay bit-identical.
 
     A payload that fails a check raises :class:`~gradpress.ps.errors.PayloadError` naming the
-    sending rank, the bucket, the shard and what was wrong (see :mod:`gradpress._ddp_buckets`):
+    sending rank, the bucket, the shard and what was wrong (see :mod:`gradpress.ddp.buckets`):
     from the hook or from the bucket's future, on the owner that rejected a push and, through an
     abort record it all-gathers in step 5, on every other rank. The bucket buffer is then zeroed
     and the state refuses further buckets (:class:`~gradpress.ps.errors.GradpressError`).
@@ -467,7 +483,7 @@ def two_way_compression_hook(
         A future completed with the averaged bucket buffer (updated in place).
 
     Example::
-        >>> state = TwoWayCompressionState(spec="onebit", ef="vanilla")
+        >>> state = TwoWayCompressionState(compression="onebit", ef="vanilla")
         >>> ddp_model.register_comm_hook(state, two_way_compression_hook)
     """
     group = state._group()

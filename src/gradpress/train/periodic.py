@@ -10,9 +10,9 @@ complete (its ``meta.json`` written, with the sha256 of every file) the older on
 newest :data:`KEEP` are deleted, so a crash during a save leaves the previous one valid.
 
 ``--resume DIR`` restarts from that checkpoint; ``--resume auto`` from the newest complete one
-under ``OUT/checkpoints`` whose files match their checksums (a refused one is skipped with a
-warning), or from the start when there is none. :func:`params_sha256` is the fingerprint of the
-final parameters in ``report.json``.
+under ``OUT/checkpoints`` whose files match their checksums (:func:`gradpress.checkpoint.latest`:
+a refused one is skipped with a warning), or from the start when there is none.
+:func:`params_sha256` is the fingerprint of the final parameters in ``report.json``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SUBDIR", "KEEP", "params_sha256", "checkpoints", "latest_valid", "resolve_resume",
-           "TrainCheckpoints"]
+__all__ = ["SUBDIR", "KEEP", "params_sha256", "checkpoints", "resolve_resume", "TrainCheckpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -64,37 +63,22 @@ def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def latest_valid(root: str | Path) -> Path | None:
-    """The newest checkpoint under ``root`` that is complete and whose files match their
-    checksums; each refused one is logged as a warning and skipped."""
-    from ..checkpoint import verify
-
-    for _, d in checkpoints(root):
-        try:
-            verify(d)
-        except ValueError as e:
-            log.warning("gradpress train: skipping checkpoint %s: %s", d, e)
-            continue
-        return d
-    return None
-
-
 def resolve_resume(value: str | None, out: str | Path,
                    world: tuple[int, int] | None = None) -> str | None:
     """The checkpoint directory ``--resume`` names: ``auto`` is the newest valid one under
     ``OUT/checkpoints`` (None when there is none: start afresh); a directory is verified
     (ValueError naming the file and checksums if it is refused). With ``world`` (workers,
     servers), a checkpoint of other world sizes is a ValueError naming both."""
-    from ..checkpoint import verify
-    from ..ps.checkpointing import read_meta
+    from ..checkpoint import latest, verify
+    from ..ps.codec_state import read_meta
 
     if value is None:
         return None
     if value == "auto":
-        found = latest_valid(Path(out) / SUBDIR)
+        found = latest(Path(out) / SUBDIR)
         if found is None:
             return None
-        meta, path = read_meta(found) or {}, found  # verified by latest_valid
+        meta, path = read_meta(found) or {}, Path(found)  # verified by latest
     else:
         meta, path = verify(value), Path(value)
     saved = (meta.get("num_workers"), meta.get("num_servers"))
@@ -107,7 +91,7 @@ def resolve_resume(value: str | None, out: str | Path,
 
 def checkpoint_step(directory: str | Path) -> int:
     """The step a complete checkpoint was saved at (its ``meta.json``)."""
-    from ..ps.checkpointing import read_meta
+    from ..ps.codec_state import read_meta
 
     meta = read_meta(directory)
     if meta is None:
@@ -169,7 +153,7 @@ class TrainCheckpoints:
     def prune(self) -> None:
         """Delete every checkpoint older than the newest :data:`KEEP` complete ones
         (incomplete ones too: a save that crashed)."""
-        from ..ps.checkpointing import META_FILE
+        from ..ps.codec_state import META_FILE
 
         found = checkpoints(self.root)
         complete = [step for step, d in found if (d / META_FILE).is_file()]

@@ -131,7 +131,7 @@ def new_run_id() -> str:
 def _check_ours(name: str) -> None:
     if not isinstance(name, str) or not _OURS_RE.match(name):
         raise ValueError(f"refusing to touch namespace {name!r}: only namespaces created by "
-                         f"gradpress.netem (named {NAME_PREFIX}<pid>x<hex>[-tag]) are "
+                         f"gradpress.train.netem (named {NAME_PREFIX}<pid>x<hex>[-tag]) are "
                          f"managed here")
 
 

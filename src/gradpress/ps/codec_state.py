@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .errors import CommTimeoutError
+from .errors import CheckpointError, CommTimeoutError
 from .protocol import (
     OP_SAVE,
     ArrivalCounter,
@@ -123,13 +123,14 @@ def load_file(path: str | os.PathLike, what: str) -> dict[str, Any]:
     """Load a checkpoint file (CPU, ``weights_only``, memory-mapped); ValueError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{what}: checkpoint file {path} does not exist")
+        raise CheckpointError(f"{what}: checkpoint file {path} does not exist")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise ValueError(f"{what}: cannot read checkpoint file {path}: {e}") from e
+        raise CheckpointError(f"{what}: cannot read checkpoint file {path}: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"{what}: {path} is not a gradpress checkpoint file of format {FORMAT}")
+        raise CheckpointError(f"{what}: {path} is not a gradpress checkpoint file of format "
+                              f"{FORMAT}")
     return obj
 
 
@@ -141,9 +142,9 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any] | None:
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read checkpoint metadata {path}: {e}") from e
+        raise CheckpointError(f"cannot read checkpoint metadata {path}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{path} is not gradpress checkpoint metadata of format {FORMAT}")
+        raise CheckpointError(f"{path} is not gradpress checkpoint metadata of format {FORMAT}")
     return meta
 
 
@@ -166,19 +167,19 @@ def check_worker_state(state: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(state, Mapping):
         raise TypeError(f"worker state must be a mapping, got {type(state).__name__}")
     if state.get("format") != FORMAT or not isinstance(state.get("tensors"), Mapping):
-        raise ValueError(f"worker state: expected format {FORMAT} with a 'tensors' mapping, got "
-                         f"keys {sorted(state)}")
+        raise CheckpointError(f"worker state: expected format {FORMAT} with a 'tensors' mapping, "
+                              f"got keys {sorted(state)}")
     tensors = dict(state["tensors"])
     for name, entry in tensors.items():
         if not isinstance(entry, Mapping) or not isinstance(entry.get("chunks"), list) \
                 or not isinstance(entry.get("signature"), Mapping):
-            raise ValueError(f"worker state of tensor {name!r}: expected 'signature' and "
-                             f"'chunks' entries")
+            raise CheckpointError(f"worker state of tensor {name!r}: expected 'signature' and "
+                                  f"'chunks' entries")
         for ch in entry["chunks"]:
             step = ch.get("step") if isinstance(ch, Mapping) else None
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"worker state of tensor {name!r}: chunk step must be an int "
-                                 f">= 0, got {step!r}")
+                raise CheckpointError(f"worker state of tensor {name!r}: chunk step must be an "
+                                      f"int >= 0, got {step!r}")
     return tensors
 
 
@@ -189,21 +190,21 @@ def restore_plan(plan: Plan, entry: Mapping[str, Any]) -> None:
     if saved != current:
         diff = [f"{k}: saved {saved.get(k)!r}, now {current[k]!r}" for k in current
                 if saved.get(k) != current[k]]
-        raise ValueError(f"saved worker state of tensor {name!r} does not match this run "
-                         f"({'; '.join(diff)}); use the same model, compression and "
-                         f"min_compress_bytes as the saved run")
+        raise CheckpointError(f"saved worker state of tensor {name!r} does not match this run "
+                              f"({'; '.join(diff)}); use the same model, compression and "
+                              f"min_compress_bytes as the saved run")
     chunks = entry["chunks"]
     layout = [c.desc.numel for c in plan.chunks]
     if [ch.get("numel") for ch in chunks] != layout:
-        raise ValueError(f"saved worker state of tensor {name!r} has chunks of "
-                         f"{[ch.get('numel') for ch in chunks]} elements, this run cuts it into "
-                         f"{layout}; use the same partition_bytes as the saved run")
+        raise CheckpointError(f"saved worker state of tensor {name!r} has chunks of "
+                              f"{[ch.get('numel') for ch in chunks]} elements, this run cuts it "
+                              f"into {layout}; use the same partition_bytes as the saved run")
     for chunk, ch in zip(plan.chunks, chunks):
         try:
             chunk.enc.load_state_dict(ch["codec"])
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"saved worker state of tensor {name!r} chunk {chunk.desc.chunk}: "
-                             f"{e}") from e
+            raise CheckpointError(f"saved worker state of tensor {name!r} chunk "
+                                  f"{chunk.desc.chunk}: {e}") from e
         chunk.step = int(ch["step"])
 
 
@@ -304,12 +305,14 @@ def read_server_states(directory: str | os.PathLike, layout: Layout, who: str,
         obj = load_file(path, who)
         if (obj.get("num_workers"), obj.get("num_servers")) != (layout.num_workers,
                                                                layout.num_servers):
-            raise ValueError(f"{who}: {path} was written by a job with {obj.get('num_workers')} "
-                             f"workers and {obj.get('num_servers')} servers; this job has "
-                             f"{layout.num_workers} workers and {layout.num_servers} servers")
+            raise CheckpointError(f"{who}: {path} was written by a job with "
+                                  f"{obj.get('num_workers')} workers and {obj.get('num_servers')} "
+                                  f"servers; this job has {layout.num_workers} workers and "
+                                  f"{layout.num_servers} servers")
         if tag is not None and obj.get("tag") != tag:
-            raise ValueError(f"{who}: {path} belongs to another save (tag {obj.get('tag')!r}, "
-                             f"expected {tag!r}); the checkpoint directory mixes two saves")
+            raise CheckpointError(f"{who}: {path} belongs to another save (tag "
+                                  f"{obj.get('tag')!r}, expected {tag!r}); the checkpoint "
+                                  f"directory mixes two saves")
         for name, chunks in obj["keys"].items():
             for chunk, entry in chunks.items():
                 seen = found.get((name, int(chunk)))  # in two files: the further stepped
@@ -330,12 +333,13 @@ def restore_key(ks: Any, entry: Mapping[str, Any], pushers: int, who: str) -> No
     for field, now in (("numel", d.numel), ("spec", d.spec), ("ef", d.ef), ("seed", d.seed),
                        ("average", d.average)):
         if entry.get(field) != now:
-            raise ValueError(f"{who}: saved state of tensor {d.name!r} chunk {d.chunk} has "
-                             f"{field}={entry.get(field)!r}, this run has {now!r}")
+            raise CheckpointError(f"{who}: saved state of tensor {d.name!r} chunk {d.chunk} has "
+                                  f"{field}={entry.get(field)!r}, this run has {now!r}")
     try:
         ks.enc.load_state_dict(entry["codec"])
     except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"{who}: saved state of tensor {d.name!r} chunk {d.chunk}: {e}") from e
+        raise CheckpointError(f"{who}: saved state of tensor {d.name!r} chunk {d.chunk}: "
+                              f"{e}") from e
     step = int(entry["step"])
     with ks.lock:
         ks.step = step

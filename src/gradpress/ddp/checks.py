@@ -1,11 +1,11 @@
 """Device-side ("deferred") checks of the DDP hook's buckets.
 
-Internal to :mod:`gradpress.ddp_hook`. CUDA buckets (any bucket when
+Internal to :mod:`gradpress.ddp`. CUDA buckets (any bucket when
 ``TwoWayCompressionState._defer`` is True) are checked on the device, with no host read: the
-checks of :mod:`gradpress._ddp_buckets` fold into one flag per bucket, which the hook reads at its
+checks of :mod:`gradpress.ddp.buckets` fold into one flag per bucket, which the hook reads at its
 first call of the next iteration; a failed flag raises the same
 :class:`~gradpress.ps.errors.PayloadError` there (:func:`raise_failed`). The "Deferred checks"
-paragraph of :mod:`gradpress._ddp_buckets` describes them in full.
+paragraph of :mod:`gradpress.ddp.buckets` describes them in full.
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._ddp_buckets import (
+from ..compress.header import HEADER_BYTES, Header
+from ..ps.errors import PayloadError
+from ..ps.protocol import add_push, check_sum, decode_reply
+from .buckets import (
     _ABORT,
     _FLAGS,
     BucketExchange,
@@ -24,12 +27,9 @@ from ._ddp_buckets import (
     finish,
     reduce_shard,
 )
-from .compress.header import HEADER_BYTES, Header
-from .ps.errors import PayloadError
-from .ps.protocol import add_push, check_sum, decode_reply
 
 if TYPE_CHECKING:
-    from .compress import Codec
+    from ..compress import Codec
 
 __all__ = ["reduce_shard_deferred", "finish_deferred", "DeviceCheck", "raise_failed",
            "mark_rejected"]

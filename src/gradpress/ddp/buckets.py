@@ -1,7 +1,7 @@
 """Per-bucket codecs, wire buffers and the validated receive paths of the DDP hook.
 
-Internal to :mod:`gradpress.ddp_hook` (steps 4 and 6 of
-:func:`~gradpress.ddp_hook.two_way_compression_hook`). Every payload a rank decodes comes from
+Internal to :mod:`gradpress.ddp` (steps 4 and 6 of
+:func:`~gradpress.ddp.two_way_compression_hook`). Every payload a rank decodes comes from
 another process and is checked before use, with the parameter-server checks of
 :mod:`gradpress.ps.protocol`; a bad one raises :class:`~gradpress.ps.errors.PayloadError` naming
 the sending rank, the bucket index and shard, and what was wrong:
@@ -21,7 +21,7 @@ Deferred checks (the default for CUDA buckets; ``TwoWayCompressionState._defer``
 any device). The checks above read headers and finiteness flags on the host, and each read waits
 for the device (a ``cudaStreamSynchronize``) on the autograd thread, once per bucket and payload,
 which serialises backward with the exchange. The deferred paths (``reduce_shard_deferred`` and
-``finish_deferred`` in :mod:`gradpress._ddp_checks`) run the same checks as device ops with no
+``finish_deferred`` in :mod:`gradpress.ddp.checks`) run the same checks as device ops with no
 host read: headers are compared byte for byte with the expected ones (copied in from pinned
 memory without blocking), and header validity, abort records and finiteness fold into one flag
 per bucket. A failed bucket is zeroed on the device (``masked_fill_``) and handed to DDP as
@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .compress.header import HEADER_BYTES, Header, pack_header
-from .ps.errors import PayloadError
-from .ps.protocol import decode_reply
-from .ps.reduce import reduce_pushes
+from ..compress.header import HEADER_BYTES, Header, pack_header
+from ..ps.errors import PayloadError
+from ..ps.protocol import decode_reply
+from ..ps.reduce import reduce_pushes
 
 if TYPE_CHECKING:
-    from .compress import Codec
+    from ..compress import Codec
 
 __all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "BucketExchange",
            "reduce_shard", "finish"]
@@ -61,7 +61,7 @@ _NO_RANK = 0xFFFFFFFF
 # Header bytes compared by the deferred checks: those Codec.check_header compares (magic, codec
 # id, version, key, numel, step: bytes 0-23; fingerprint: 32-35), and the flags (36-39, 0 in
 # every payload a codec writes), where a sender marks a push whose input it rejected
-# (``_ddp_checks.mark_rejected``); not lr (24-31).
+# (``checks.mark_rejected``); not lr (24-31).
 _CHECKED = [(0, 24), (32, 40)]
 _FLAGS = 36
 
@@ -213,7 +213,7 @@ class BucketExchange:
 
 
 def _check_marked(p: torch.Tensor, who: str, key: int, label: str) -> None:
-    """Raise when ``who`` marked its push as rejected (``_ddp_checks.mark_rejected``)."""
+    """Raise when ``who`` marked its push as rejected (``checks.mark_rejected``)."""
     if int(p[_FLAGS]) != 0:
         raise PayloadError(f"{label}: push from {who} rejected: the sender's input has "
                            f"non-finite values (NaN/inf)", key=key, peer=who, stage="push")
