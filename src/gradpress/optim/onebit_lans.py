@@ -148,8 +148,9 @@ class OneBitLANSCore(IdleRows, Watched, LANS):
         self._setup(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                  normalize_grad=normalize_grad, min_trust=min_trust,
                                  max_trust=max_trust, dense_steps=dense_steps), fused)
-        self.communicate = communicate
+        self.communicate = communicate  # type: ignore[misc]  # OneBitAdam's property
 
+    # 1-bit Adam's compression-stage plumbing, shared (OneBitAdam is not a base: LANS is)
     communicate = OneBitAdam.communicate
     compression_active = OneBitAdam.compression_active
     _launch = OneBitAdam._launch
@@ -167,7 +168,7 @@ class OneBitLANSCore(IdleRows, Watched, LANS):
         stages = []
         for b, group in self._bucketed():
             fs = group["dense_steps"]
-            warm, comp = _split(b, lambda t, fs=fs: t <= fs)
+            warm, comp = _split(b, lambda t: t <= fs)  # noqa: B023  (used at once)
             if warm.params:
                 # Step 1: a LANS step on the (uncompressed-averaged) gradient.
                 self._note_idle_rows(warm)
@@ -200,7 +201,8 @@ class OneBitLANSCore(IdleRows, Watched, LANS):
         flags = self._row_flags(b, group)  # before normalising: which rows have a gradient
         g = self._normalized(b.grads) if group["normalize_grad"] else b.grads
         sent, prev, ds = self._local_moments(b, group, g, blend)
-        return (self._launch(b, sent), prev, ds, self._send_rows(b, flags, sent),
+        return (self._launch(b, sent), prev,  # type: ignore[misc]  # OneBitAdam's
+                ds, self._send_rows(b, flags, sent),
                 self._send_probes(b, group, sent))
 
     def _holds(self, index: int) -> bool:
@@ -217,13 +219,13 @@ class OneBitLANSCore(IdleRows, Watched, LANS):
         if blend:  # a_prev; at the first compressed step the dense phase's (shared) m/d
             if any("shared_momentum" not in self.state[p] for p in b.params):
                 d_last = self._dense_denominators(b, group)[0]
-                for p, m, d in zip(b.params, b.exp_avgs, d_last):
-                    self.state[p].setdefault("shared_momentum", m / d)
-            prev = torch._foreach_mul([self.state[p]["shared_momentum"] for p in b.params],
-                                      beta1)
+                for p, m, dl in zip(b.params, b.exp_avgs, d_last):
+                    self.state[p].setdefault("shared_momentum", m / dl)
+            prev = list(torch._foreach_mul(
+                [self.state[p]["shared_momentum"] for p in b.params], beta1))
         moments_(b, g, beta1, beta2)                       # this worker's own m and v
         d, s = adam_denominators(b, beta2, group["eps"])   # bias-corrected at t, as LANS
-        return torch._foreach_div(b.exp_avgs, d), prev, (d, s)
+        return list(torch._foreach_div(b.exp_avgs, d)), prev, (d, s)
 
     def _local_update(self, b: Bucket, group: dict[str, Any], got: list[torch.Tensor],
                       prev: list[torch.Tensor] | None, d: list[torch.Tensor],
@@ -259,7 +261,7 @@ class OneBitLANSCore(IdleRows, Watched, LANS):
         c = None
         if prev is not None:
             # gh = (m - b1*m_prev)/(1-b1): the averaged gradient, recovered from the momenta.
-            gh = torch._foreach_sub(mom, prev)
+            gh = list(torch._foreach_sub(mom, prev))
             c = direction(gh, d, [si / (1.0 - beta1) for si in s], b.params, wd)
         xn = norms(b.params)
         dtype = b.params[0].dtype

@@ -89,6 +89,11 @@ class OptimizerConfig:
                             f"[{self.uncompressed_params!r}]")
         if not isinstance(self.uncompressed_params, str):
             object.__setattr__(self, "uncompressed_params", tuple(self.uncompressed_params))
+        m = self.min_compress_bytes
+        if m is not None and m != "auto" and (isinstance(m, bool) or not isinstance(m, int)
+                                               or m < 0):
+            raise ValueError(f"min_compress_bytes must be an int >= 0, 'auto' or None, got "
+                             f"{m!r}")
         self.spec  # noqa: B018  (builds the codec once: an invalid spec is a ValueError now)
 
     @property
@@ -182,9 +187,9 @@ def _momentum_optimizer(named: list[tuple[str, Any]], groups: list[dict[str, Any
     from .optimizer import DistributedOptimizer, match_names
     from .plan import dense_codec
 
-    limit = config.min_compress_bytes
-    if limit == "auto":
-        limit = auto_min_compress_bytes(4 * p.numel() for _, p in named)
+    given = config.min_compress_bytes
+    limit = auto_min_compress_bytes(4 * p.numel() for _, p in named) if given == "auto" \
+        else None if given is None else int(given)
     listed = config.uncompressed_params
     exact = None if isinstance(listed, str) else match_names(
         [n for n, _ in named], listed, "uncompressed_params")

@@ -111,7 +111,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     methods = {k: v for k, v in vars(_Distributed).items() if k not in ("__dict__", "__weakref__")}
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    cls: Any = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     obj = cls.__new__(cls)
     # keep hyperparameters, state and param groups; not an instance attribute that shadows a
     # method (an LR scheduler built first patches ``optimizer.step`` on the instance: copied, it
@@ -161,6 +161,11 @@ def _any_set(flags: list[torch.Tensor]) -> bool:
 
 class _Distributed:
     """Methods mixed into the dynamic subclass built by :func:`DistributedOptimizer`."""
+
+    # what the mixed-in methods use of the torch optimizer they join, and what the factory sets
+    param_groups: list[dict[str, Any]]
+    state: Any
+    _gp_dense_steps: int
 
     def _gp_init(self, named_parameters: Iterable[tuple[str, Any]] | None, compression: Any,
                  ef: str | EFSpec | None, momentum: str | None, mu: float,
@@ -331,7 +336,7 @@ class _Distributed:
                 self.decide_exact()
         if self._gp_skipped:  # step 3: agreed skip
             return None
-        out = super(self.__class__, self).step(closure)  # step 4
+        out = super(self.__class__, self).step(closure)  # type: ignore[misc]  # step 4
         if self._gp_meter is not None and self._gp_meter.result is None \
                 and not self._gp_communicates():
             self.decide_exact()  # a 1-bit optimizer's dense phase just ended
@@ -372,7 +377,7 @@ class _Distributed:
         shared optimizer state take: :func:`~gradpress.torch.broadcast.shared_state_dict`)."""
         from .. import api
 
-        state = super(self.__class__, self).state_dict()
+        state = super(self.__class__, self).state_dict()  # type: ignore[misc]
         if codec and api.is_initialized():
             names = set(self._gp_names.values()) | {_FLAG_NAME}
             if self._gp_fusion is not None:
@@ -394,7 +399,7 @@ class _Distributed:
         steps = state.pop("gradpress_steps", None)
         if steps is not None:
             self._gp_steps = int(steps)
-        super(self.__class__, self).load_state_dict(state)
+        super(self.__class__, self).load_state_dict(state)  # type: ignore[misc]
         if agreement is not None and self._gp_meter is not None:
             self._gp_meter.load_state_dict(agreement)
             if self._gp_meter.result is not None:
@@ -407,4 +412,4 @@ class _Distributed:
         if self._gp_handles:
             raise RuntimeError("zero_grad() called while push_pulls are in flight; call step() "
                                "or synchronize() first")
-        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        super(self.__class__, self).zero_grad(set_to_none=set_to_none)  # type: ignore[misc]

@@ -66,12 +66,12 @@ def _value_type(tp: Any) -> tuple[Any, str | int | None]:
             raise TypeError(f"option type {tp} must be one type or None")
         tp = args[0]
     if typing.get_origin(tp) is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return args[0], "+"
-        if len(set(args)) != 1:
+        items = typing.get_args(tp)
+        if len(items) == 2 and items[1] is Ellipsis:
+            return items[0], "+"
+        if len(set(items)) != 1:
             raise TypeError(f"option type {tp} must be tuple[X, ...] or tuple[X, X]")
-        return args[0], len(args)
+        return items[0], len(items)
     return tp, None
 
 

@@ -87,7 +87,7 @@ class Session:
             self.tensorboard = TensorBoardWriter(self.run_dir / SUBDIR)
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self._step_stage = dict.fromkeys(STAGES, 0.0)
-        self._named: list[tuple[str, torch.Tensor]] = []
+        self._named: list[tuple[str, nn.Parameter]] = []
         self._wrapper: Any = None
         self._created = self._t0 = self._last_t = time.perf_counter()
         self._last_stats = self._stats()
@@ -128,8 +128,8 @@ class Session:
         """
         from ..torch.builder import build_optimizer
 
-        self._named = [(f"{self.cfg.name}.{n}", p) for n, p in model.named_parameters()
-                       if p.requires_grad]
+        self._named = [
+            (f"{self.cfg.name}.{n}", p) for n, p in model.named_parameters() if p.requires_grad]
         self._wrapper = build_optimizer(self._named, self._optimizer_config(), core=core,
                                         core_options=options)
         self.set_lr(self._wrapper)  # each group's peak lr; the first step's lr, before backward
@@ -372,7 +372,7 @@ class Session:
 
         h = hashlib.sha256()
         for p in model.parameters():
-            h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         digest = torch.frombuffer(bytearray(h.digest()), dtype=torch.int16).to(torch.float32)
         slots = torch.zeros(self.size, digest.numel())
         slots[self.rank] = digest

@@ -69,6 +69,8 @@ def run_task(cfg: TrainConfig, sessions: list[Session] | None = None,
     import gradpress as gp
     from gradpress.tasks import get_task
 
+    if cfg.task is None:
+        raise ValueError("run_task needs a bundled task (TrainConfig.task), got None")
     task = get_task(cfg.task)
     bs = cfg.batch_size or task.defaults.batch_size
     spe = task.steps_per_epoch(gp.size(), bs)
@@ -105,6 +107,8 @@ def train_steps(task: Any, model: Any, opt: Any, s: Session, bs: int, eval_every
     when due.
     """
     rank, world, total = s.rank, s.size, s.total_steps
+    if total is None:
+        raise ValueError("train_steps needs the session's total_steps, got None")
     bar = _progress(s.cfg, total, rank)
     bar.update(s.steps)
     epoch, skip = ckpt.position if ckpt is not None else (0, 0)
