@@ -53,16 +53,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cluster_models import MODELS  # noqa: E402
 from cluster_worker import GP_SYSTEMS  # noqa: E402
 
-SYSTEMS = ("local", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-none", "gp-onebit", "gp-topk",
-           "gp-ddp-hook")
+SYSTEMS = ("local", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-none",
+           "gp-onebit", "gp-topk", "gp-ddp-hook")
 LABELS = {"local": "no communication (compute floor)", "ddp-fp32": "DDP fp32 (gloo)",
           "ddp-fp16": "DDP + fp16 hook",
-          "ddp-powersgd": "DDP + PowerSGD hook (rank 4)", "gp-none": "gradpress none",
+          "ddp-powersgd": "DDP + PowerSGD hook (rank 4)",
+          "ddp-powersgd1": "DDP + PowerSGD hook (rank 1)", "gp-none": "gradpress none",
           "gp-onebit": "gradpress onebit", "gp-topk": "gradpress topk 0.1% fp16",
           "gp-ddp-hook": "DDP + gradpress two-way onebit hook"}
-BATCH = {"vgg": 8, "bert": 4}
+BATCH = {"vgg": 8, "bert": 4, "tfm": 4, "mlp": 8}
 PARTS = ("speed", "loopback", "scaling")
 SCALING = ((2, 1), (4, 1), (2, 2), (4, 2))  # (workers, servers)
 
@@ -82,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="vgg only, 2 warm-up + 3 timed steps")
     p.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
-    p.add_argument("--models", help="comma-separated subset of vgg,bert (default both; quick vgg)")
+    p.add_argument("--models", help="comma-separated subset of vgg,bert,tfm,mlp (default vgg,bert; "
+                   "quick vgg)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems of the speed part")
     p.add_argument("--scaling-systems", default="gp-none,gp-onebit",
                    help="gradpress systems of the scaling part (gp-none,gp-onebit)")
@@ -92,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-host namespaces (cluster) or one rate-limited namespace (ns)")
     p.add_argument("--optimizer", choices=("clan", "sgd"), default="clan",
                    help="optimizer of every system (clan: LANS without normalisation)")
-    p.add_argument("--batch", type=int, help="per-worker batch (vgg 8, bert 4)")
+    p.add_argument("--batch", type=int, help="per-worker batch (vgg 8, bert 4, tfm 4, mlp 8)")
     p.add_argument("--warmup", type=int, help="untimed steps (3; quick 2)")
     p.add_argument("--steps", type=int, help="timed steps (5; quick 3)")
     p.add_argument("--min-compress-bytes", type=int, default=1 << 20,
@@ -112,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else args.warmup
     args.steps = 3 if args.quick and args.steps is None else 5 if args.steps is None \
         else args.steps
-    for name, vals, ok in (("--models", args.models, ("vgg", "bert")),
+    for name, vals, ok in (("--models", args.models, MODELS),
                            ("--systems", args.systems, SYSTEMS), ("--parts", args.parts, PARTS),
                            ("--scaling-systems", args.scaling_systems, GP_SYSTEMS)):
         if not vals or set(vals) - set(ok):

@@ -8,6 +8,11 @@
   positions, ``layers`` post-norm transformer encoder layers (GELU) and a masked-language-model
   head tied to the embedding, evaluated only at the masked positions (15%). 11.1M parameters
   at the default width 256 and 4 layers; the embedding (31 MB of fp32 gradient) dominates.
+* ``tfm``: a transformer encoder of many tensors (issue 40): a 1024-token embedding, 12
+  post-norm encoder layers of width 384 (6 heads, GELU), a linear head predicting each
+  position's next token; 22.1M parameters in 148 tensors, none dominant.
+* ``mlp``: a 25M-parameter MLP (1024-4096-4096-1024-10, ReLU): 100 MB of fp32 gradient in 8
+  tensors, three of them large.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from torch import nn
 
 __all__ = ["MODELS", "build_model", "make_batch", "loss_of", "count_parameters"]
 
-MODELS = ("vgg", "bert")
+MODELS = ("vgg", "bert", "tfm", "mlp")
+TFM_VOCAB = 1024
 VOCAB = 30522
 SEQ_LEN = 64
 MASK_FRACTION = 0.15
@@ -63,12 +69,34 @@ class BertStyle(nn.Module):
         return h @ self.tok.weight.t() + self.bias  # tied decoder, masked positions only
 
 
+class ManyTensors(nn.Module):
+    """Token embedding + positions, 12 post-norm encoder layers, next-token head."""
+
+    def __init__(self, width: int = 384, layers: int = 12, heads: int = 6) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(TFM_VOCAB, width)
+        self.pos = nn.Embedding(SEQ_LEN, width)
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                           activation="gelu", batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, TFM_VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.head(self.encoder(self.tok(ids) + self.pos(pos)))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
 def build_model(name: str) -> nn.Module:
     """The model called ``name`` (one of :data:`MODELS`), seeded so all ranks agree."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {name!r}")
     torch.manual_seed(0)
-    return VGGStyle() if name == "vgg" else BertStyle()
+    return {"vgg": VGGStyle, "bert": BertStyle, "tfm": ManyTensors, "mlp": _mlp}[name]()
 
 
 def make_batch(name: str, batch: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -78,6 +106,10 @@ def make_batch(name: str, batch: int, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     if name == "vgg":
         return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(10, (batch,), generator=g)
+    if name == "mlp":
+        return torch.randn(batch, 1024, generator=g), torch.randint(10, (batch,), generator=g)
+    if name == "tfm":
+        return (torch.randint(TFM_VOCAB, (batch, SEQ_LEN + 1), generator=g),)
     ids = torch.randint(VOCAB, (batch, SEQ_LEN), generator=g)
     masked = torch.randperm(SEQ_LEN, generator=g)[: max(1, int(MASK_FRACTION * SEQ_LEN))]
     return ids, masked, ids[:, masked]
@@ -85,9 +117,13 @@ def make_batch(name: str, batch: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def loss_of(model: nn.Module, name: str, data: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Cross-entropy of ``model`` on a batch from :func:`make_batch`."""
-    if name == "vgg":
+    if name in ("vgg", "mlp"):
         x, y = data
         return nn.functional.cross_entropy(model(x), y)
+    if name == "tfm":
+        (ids,) = data
+        logits = model(ids[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, TFM_VOCAB), ids[:, 1:].reshape(-1))
     ids, masked, target = data
     logits = model(ids, masked)
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))

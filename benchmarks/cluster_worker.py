@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_models import build_model, loss_of, make_batch
 
-DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "gp-ddp-hook")
+DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-ddp-hook")
 GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk")
 GP_SPECS = {"gp-none": ("none", None), "gp-onebit": ("onebit", "vanilla"),
             "gp-topk": ("topk:k=0.001,values=fp16", "vanilla")}
@@ -84,13 +84,13 @@ def _ddp(cfg: dict, model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[
     # PowerSGD issues its second allreduce from a future callback; with gloo, two buckets'
     # callbacks can issue collectives in different orders on different ranks ("Received data
     # size doesn't match expected size"), so PowerSGD gets a single bucket.
-    cap = 4096 if system == "ddp-powersgd" else 25
+    cap = 4096 if system.startswith("ddp-powersgd") else 25
     ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
     if system == "ddp-fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif system == "ddp-powersgd":
+    elif system.startswith("ddp-powersgd"):  # rank 4, or rank 1 (ddp-powersgd1)
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=4,
+            process_group=None, matrix_approximation_rank=1 if system.endswith("1") else 4,
             start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif system == "gp-ddp-hook":

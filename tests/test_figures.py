@@ -140,6 +140,7 @@ def test_failed_and_unrun_targets_read_as_such(sections: list[dict[str, Any]]) -
     assert readme_figures.target_result("0/6", "incomplete") == "**not run**"
 
 
+@pytest.mark.cluster
 def test_record_keeps_command_commit_machine(tmp_path: Path) -> None:
     code = "import pathlib, sys; pathlib.Path(sys.argv[1], 'report.json').write_text('{}'); " \
         "pathlib.Path(sys.argv[1], 'plot.png').write_text('x')"
@@ -157,6 +158,7 @@ def test_record_keeps_command_commit_machine(tmp_path: Path) -> None:
         record.run("../x", ["true"], records=tmp_path)
 
 
+@pytest.mark.cluster
 def test_record_refuses_code_from_another_checkout(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     assert record.imported_gradpress() == (ROOT / "src" / "gradpress").resolve()
