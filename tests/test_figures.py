@@ -186,3 +186,88 @@ def test_guide_plan_example_is_what_the_code_prints() -> None:
              {})
     assert out.getvalue() == m.group(2), "docs/guide.md's plan example differs from the code's"
 
+
+
+#: A link to a record: a file or folder of benchmarks/results/, or docs/results.md (rendered
+#: from them).
+RECORD_LINK = re.compile(r"\]\((?:\.\./)*(?:benchmarks/results/|results\.md)[^)]*\)")
+#: A figure that is someone else's published measurement, marked as such on its block.
+CITATION = re.compile(r"the paper reports|\breports that\b|\bpublished:|\*\*estimate\*\*", re.I)
+#: Figures in docs/ that are settings, arithmetic or a test's bound, not measurements:
+#: (page, text on the line).
+NOT_MEASURED = [
+    ("design.md", "k=0.1%, fp16, 4 MiB chunk: 0.036"),  # bits per element of the format
+    ("design.md", "k=1%: 0.32"),
+    ("guide.md", "32x fewer bytes than fp32; error feedback"),  # 1 bit against 32
+    ("guide.md", "the largest tensors holding 95% of the bytes"),  # the "auto" rule
+    ("guide.md", "1 of 4 compressed, 24.0x vs fp32"),  # test_guide_plan_example_is_what_...
+    ("guide.md", "a one-bit run is below 32x"),
+    ("integrations.md", "under 5% of fp32's bytes"),  # the bound the test asserts
+    ("optimizers.md", "as in the dense phase: 0.5% of fp32's bytes"),  # bf16 every 100 steps
+    ("paper-comparison.md", "(default 100 GB/s NCCL bus"),
+    ("paper-comparison.md", "(default 10 GB/s"),
+    ("paper-comparison.md", "8 V100s per node at 25 Gb/s"),
+    ("paper-comparison.md", "## 2. Predictions beside the paper (25 Gbit/s"),
+    ("performance.md", "step time behind a 1 Gbit/s link per codec"),
+    ("performance.md", '"2 hosts at 1 Gbit/s" in these pages'),
+    ("reference/cli.md", "CLAN one-bit, CLAN top-k 0.1% |"),
+    ("reference/cli.md", "bandwidth (100GB/s)"),
+    ("reference/cli.md", "bandwidth (10GB/s)"),
+]
+
+
+def blocks(text: str) -> list[list[str]]:
+    """``text``'s prose cut into blocks (paragraphs, tables, lists) at blank lines."""
+    out: list[list[str]] = [[]]
+    for line in prose(text).splitlines():
+        if line.strip():
+            out[-1].append(line)
+        elif out[-1]:
+            out.append([])
+    return [b for b in out if b]
+
+
+def unbacked_figures(page: str, text: str) -> list[str]:
+    """The lines of a docs page that carry a figure with no record behind it: a line is backed
+    when its block (paragraph, table, list) links a record or marks a citation, or when it lies
+    in a table or fenced block whose caption (the block right before it) does."""
+    hits, caption_backed = [], False
+    for block in blocks(text):
+        joined = "\n".join(block)
+        backed = bool(RECORD_LINK.search(joined) or CITATION.search(joined))
+        if block[0].startswith(("|", "`")) and caption_backed:  # prose() leaves "`text"
+            backed = True
+        for line in block:
+            if FIGURE.search(line) and not backed and \
+                    not any(p == page and s in line for p, s in NOT_MEASURED):
+                hits.append(f"{page}: {line.strip()[:160]}")
+        caption_backed = backed
+    return hits
+
+
+def docs_pages() -> list[Path]:
+    """docs/*.md and docs/reference/*.md but results.md, which is rendered from the records."""
+    return [p for p in sorted((ROOT / "docs").rglob("*.md")) if p.name != "results.md"]
+
+
+def test_every_figure_in_docs_has_a_record_or_is_a_citation() -> None:
+    hits = [h for p in docs_pages()
+            for h in unbacked_figures(p.relative_to(ROOT / "docs").as_posix(), p.read_text())]
+    assert not hits, "figures in docs/ with no link to benchmarks/results/ or results.md " \
+        "(nor a citation):\n" + "\n".join(hits)
+
+
+def test_an_unbacked_docs_figure_is_caught() -> None:
+    link = "[chaos](../benchmarks/results/chaos/)"
+    assert unbacked_figures("x.md", "Recovery took 5.3 s.\n") == ["x.md: Recovery took 5.3 s."]
+    assert not unbacked_figures("x.md", f"Recovery took 5.3 s\n({link}).\n")
+    assert unbacked_figures("x.md", f"{link}\n\nRecovery took 5.3 s.\n")  # another paragraph
+    table = "| a | b |\n|---|---|\n| x | 38.0% |\n"
+    assert unbacked_figures("x.md", "Caption:\n\n" + table) == ["x.md: | x | 38.0% |"]
+    assert not unbacked_figures("x.md", f"Caption ({link}):\n\n" + table)
+    assert not unbacked_figures("x.md", "The paper reports 5.0% at 25 Gb/s.\n")
+    assert not unbacked_figures("x.md", "    gradpress simulate --bandwidth 10gbit  # 25x\n")
+    for p in docs_pages():  # the allow-list names only lines that exist
+        for page, s in NOT_MEASURED:
+            if p.relative_to(ROOT / "docs").as_posix() == page:
+                assert s in prose(p.read_text()), (page, s)
