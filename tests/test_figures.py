@@ -1,7 +1,9 @@
 """Every figure in the README comes from a record: the figure blocks are rendered from
 benchmarks/results/ (``python benchmarks/results_md.py``) and equal what the records give, no
 figure stands outside them, the records hold command, commit and machine, failed and unrun
-targets read as such, and the first screen is the two commands and what the project is."""
+targets read as such, and the first screen is the two commands and what the project is. In
+docs/, every figure links its record (or results.md) or is marked a citation, and the simulator
+tables of paper-comparison.md equal the kept outputs of their commands."""
 
 from __future__ import annotations
 
@@ -271,3 +273,44 @@ def test_an_unbacked_docs_figure_is_caught() -> None:
         for page, s in NOT_MEASURED:
             if p.relative_to(ROOT / "docs").as_posix() == page:
                 assert s in prose(p.read_text()), (page, s)
+
+
+def simulate_outputs() -> dict[str, str]:
+    """The kept ``gradpress simulate`` outputs: the arguments of each command -> its output,
+    from the paper-sim-* records' commands (``run FILE ARGS`` for each)."""
+    out = {}
+    for rec_path in sorted(readme_figures.RECORDS.glob("paper-sim-*/record.json")):
+        rec = json.loads(rec_path.read_text())
+        assert rec["exit_code"] == 0 and re.fullmatch(r"[0-9a-f]{40}", rec["commit"])
+        script = shlex.split(rec["command"])[-1]
+        for m in re.finditer(r"run (\S+) ([^;]+)", script.split("; ", 1)[1]):
+            for model in ("resnet50", "vgg16", "bert-base"):  # the shell's loops
+                path = m.group(1).replace("$m", model)
+                if (ROOT / path).exists():
+                    out[m.group(2).strip().replace("$m", model)] = (ROOT / path).read_text()
+    return out
+
+
+def test_paper_comparison_tables_equal_the_simulate_records() -> None:
+    """Every `gradpress simulate` row of docs/paper-comparison.md gives the iteration times and
+    the reduction that the kept output of the same command holds."""
+    outputs, checked = simulate_outputs(), 0
+    header: list[str] = []
+    for line in (ROOT / "docs" / "paper-comparison.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| command |"):
+            header = cells
+        m = re.match(r"`gradpress simulate ([^`]*)`", cells[0]) if line.startswith("|") else None
+        if not m:
+            continue
+        text = outputs.get(m.group(1))
+        assert text, f"paper-comparison.md: no record of gradpress simulate {m.group(1)}"
+        times = re.search(r"iteration time +([\d.]+) ms +([\d.]+) ms", text)
+        reduction = re.search(r"training time reduction ([\d.]+)%", text)
+        assert times and reduction
+        row = dict(zip(header, cells))
+        assert row["reduction"].strip("*") == f"{reduction.group(1)}%", (m.group(1), row)
+        for column, value in (("baseline", times.group(1)), ("compressed", times.group(2))):
+            assert abs(float(row[column]) - float(value)) <= 0.051, (m.group(1), column)
+        checked += 1
+    assert checked == 23
