@@ -79,6 +79,15 @@ class Net:
     what: str
 
 
+def _bytes_or_auto(text: str) -> int | str:
+    """``--min-compress-bytes``: an int >= 0 or ``auto``."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line arguments (validated; ``--quick`` fills smaller defaults)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -98,8 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="per-worker batch (vgg 8, bert 4, tfm 4, mlp 8)")
     p.add_argument("--warmup", type=int, help="untimed steps (3; quick 2)")
     p.add_argument("--steps", type=int, help="timed steps (5; quick 3)")
-    p.add_argument("--min-compress-bytes", type=int, default=1 << 20,
-                   help="tensors below this travel uncompressed (1 MiB)")
+    p.add_argument("--min-compress-bytes", type=_bytes_or_auto, default="auto",
+                   help="tensors below this travel uncompressed (auto: gradpress's default, "
+                        "sized by the model; the DDP hook, which sees buckets, takes its own "
+                        "default then)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job (600)")
     p.add_argument("--json", help="also write the results as JSON to this file")
     p.add_argument("--profile", action="store_true",

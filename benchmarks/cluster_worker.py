@@ -97,9 +97,17 @@ def _ddp(cfg: dict, model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[
         from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 
         state = TwoWayCompressionState("onebit", "vanilla",
-                                       min_compress_bytes=cfg["min_compress_bytes"])
+                                       min_compress_bytes=_hook_bytes(cfg))
         ddp.register_comm_hook(state, two_way_compression_hook)
     return ddp, dist.barrier
+
+
+def _hook_bytes(cfg: dict) -> int:
+    """The hook's threshold: the benchmark's, or the hook's own default for ``auto``."""
+    from gradpress.defaults import HOOK_MIN_COMPRESS_BYTES
+
+    limit = cfg["min_compress_bytes"]
+    return HOOK_MIN_COMPRESS_BYTES if limit == "auto" else int(limit)
 
 
 def _gradpress(cfg: dict, model: torch.nn.Module,
