@@ -23,6 +23,7 @@ live in :mod:`gradpress.defaults`. What each method builds:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import defaults
-from ..compress.spec import CodecSpec, EFSpec, parse_spec
+from ..compress.spec import CodecSpec, Compression, EFSpec, parse_spec
 
 __all__ = ["METHODS", "MOMENTUM_METHODS", "OptimizerConfig", "build_optimizer"]
 
@@ -41,7 +42,6 @@ METHODS = ("clan", "lans", "lamb", "adam", "sgd-ef", "onebit-adam", "onebit-lans
 #: The methods that communicate their momentum after ``dense_steps`` (>= 1) dense steps.
 MOMENTUM_METHODS = ("onebit-adam", "onebit-lans")
 
-Compression = str | Mapping[str, Any] | CodecSpec
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
 
@@ -102,9 +102,10 @@ class OptimizerConfig:
         return defaults.dense_steps_for(self.method) if self.dense_steps is None \
             else self.dense_steps
 
-    @property
+    @functools.cached_property
     def spec(self) -> CodecSpec:
-        """The codec spec with the effective error feedback in its wrappers."""
+        """The codec spec with the effective error feedback in its wrappers (built once, on
+        construction, to check it)."""
         from ..compress import build
 
         cs = parse_spec(self.compression)
@@ -209,7 +210,7 @@ def _momentum_optimizer(named: list[tuple[str, Any]], groups: list[dict[str, Any
                                    uncompressed_params=_listed(listed))
     # From here on the wrapper is the optimizer: its state is the one that steps and that
     # load_state_dict replaces (the core's dict would be left behind at a resume).
-    route.wrapper = route.opt = wrapper
+    route.opt = wrapper
     meter = getattr(wrapper, "_gp_meter", None)
     if meter is not None and getattr(opt, "hold_idle_rows", False) is not False:
         # the core holds the idle rows of these: compress them whatever they agree
@@ -231,8 +232,7 @@ class _MomentumRoute:
         self.exact = {str(i) for i, (n, _) in enumerate(named) if exact and n in exact}
         self.decided = exact is not None  # "auto": not until the dense phase has ended
         self.needs_lr = ef_needs_lr(spec.wrappers.get("ef"))
-        self.opt: Any = None
-        self.wrapper: Any = None
+        self.opt: Any = None  # the core at attach, then the DistributedOptimizer wrapping it
         self.fusion: Any = None
         self.drifts: dict[int, int] = {}  # flat index -> drifts counted in gp.stats()
 
@@ -249,7 +249,7 @@ class _MomentumRoute:
     def decide(self) -> None:
         """At the first compressed step: take the exact tensors the dense phase measured."""
         if not self.decided:
-            chosen = self.wrapper.decide_exact().exact
+            chosen = self.opt.decide_exact().exact
             self.exact.update(str(i) for i, (n, _) in enumerate(self.named) if n in chosen)
             self.decided = True
 

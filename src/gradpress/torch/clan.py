@@ -10,18 +10,16 @@ parameter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
 from .. import defaults
-from ..compress.spec import CodecSpec, EFSpec
+from ..compress.spec import Compression, EFSpec
 from .builder import OptimizerConfig, build_optimizer
 
 __all__ = ["CLAN", "OneBitLANS"]
 
-Compression = str | Mapping[str, Any] | CodecSpec
 EFLike = str | EFSpec
 NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
