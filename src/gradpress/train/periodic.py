@@ -20,13 +20,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SUBDIR", "KEEP", "params_sha256", "checkpoints", "resolve_resume", "TrainCheckpoints"]
+__all__ = ["SUBDIR", "KEEP", "params_sha256", "tensors_sha256", "checkpoints", "resolve_resume",
+           "TrainCheckpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +40,20 @@ _PREFIX = "step-"
 
 
 def params_sha256(model: nn.Module) -> str:
-    """The hex sha256 of a model's ``state_dict``: per entry, in sorted name order, the name,
-    dtype, shape and the tensor's bytes (so equal hashes mean bit-identical parameters)."""
+    """The hex sha256 of a model's ``state_dict``, in sorted name order
+    (:func:`tensors_sha256`)."""
+    return tensors_sha256(sorted(model.state_dict().items())).hex()
+
+
+def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """The sha256 of named tensors: per tensor, in the order given, the name, dtype, shape and
+    the tensor's bytes (so equal digests mean bit-identical tensors)."""
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in named:
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return h.digest()
 
 
 def step_dir(out: str | Path, step: int) -> Path:

@@ -363,17 +363,16 @@ class Session:
         self.close_tensorboard()
 
     def _replicas_identical(self, model: nn.Module) -> bool:
-        """Compare the sha256 of every worker's parameters (their bytes, in order): each worker
-        writes its digest, as 16 16-bit numbers (exact in float32), into its own row of a zero
-        matrix; the servers sum the rows exactly and every worker compares them."""
-        import hashlib
-
+        """Compare the sha256 of every worker's parameters
+        (:func:`~gradpress.train.periodic.tensors_sha256`): each worker writes its digest, as 16
+        16-bit numbers (exact in float32), into its own row of a zero matrix; the servers sum
+        the rows exactly and every worker compares them."""
         import gradpress as gp
 
-        h = hashlib.sha256()
-        for p in model.parameters():
-            h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        digest = torch.frombuffer(bytearray(h.digest()), dtype=torch.int16).to(torch.float32)
+        from .periodic import tensors_sha256
+
+        digest = torch.frombuffer(bytearray(tensors_sha256(model.named_parameters())),
+                                  dtype=torch.int16).to(torch.float32)
         slots = torch.zeros(self.size, digest.numel())
         slots[self.rank] = digest
         every = gp.push_pull(slots, name=f"{self.cfg.name}.replica-check", average=False,
