@@ -71,6 +71,7 @@ PUBLIC_MODULES = {
     "gradpress.compress": (),
     "gradpress.optim": ("optimizers.md",),
     "gradpress.ddp": ("integrations.md",),
+    "gradpress.fsdp": ("integrations.md",),
     "gradpress.checkpoint": ("checkpoints.md",),
     "gradpress.lightning": ("integrations.md",),
     "gradpress.huggingface": ("integrations.md",),
