@@ -149,11 +149,21 @@ def scenario_resume(rank: int, res: dict, root: str) -> None:
     res["resume_calls"] = (st.stats()["compressed_calls"], st2.stats()["compressed_calls"])
     sd = st.state_dict()
     sd["world_size"] += 1
+    res["other_world"] = [refused(lambda: st.load_state_dict(sd))]  # a state that has run: now
+    fresh = FSDPCompressionState("onebit", "vanilla", min_compress_bytes=0)
+    fresh.load_state_dict(sd)  # a new state learns its group at its first call: refused there
+    comm = CompressedReduceScatter(fresh, "", 0)
+    x = direct_input(rank, 0, dist.get_world_size())
+    res["other_world"].append(refused(lambda: comm(torch.empty(SHARD), x, dist.group.WORLD,
+                                                   dist.ReduceOp.AVG)))
+
+
+def refused(fn) -> str:
     try:
-        FSDPCompressionState("onebit", "vanilla").load_state_dict(sd)
-        res["other_world"] = "accepted"
+        fn()
     except ValueError as e:
-        res["other_world"] = str(e)
+        return str(e)
+    return "accepted"
 
 
 def scenario_nan(rank: int, world: int, res: dict) -> None:
@@ -167,6 +177,20 @@ def scenario_nan(rank: int, world: int, res: dict) -> None:
         res["nan"] = ("none", "")
     except ValueError as e:
         res["nan"] = (type(e).__name__, str(e))
+
+
+def scenario_routing(rank: int, res: dict) -> None:
+    """dense_steps: the first calls per module are FSDP2's own; async_op=True gives a work."""
+    m = make_model()
+    st = gradpress.fsdp.compress(m, "onebit", "vanilla", min_compress_bytes=0, dense_steps=2)
+    run_steps(m, torch.optim.SGD(m.parameters(), lr=0.05), rank, range(3))
+    res["routing"] = st.stats()
+    comm = CompressedReduceScatter(FSDPCompressionState("onebit", min_compress_bytes=0), "", 0)
+    out = torch.empty(SHARD)
+    work = comm(out, direct_input(rank, 0, dist.get_world_size()), dist.group.WORLD,
+                dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    res["async"] = out
 
 
 def scenario_optimizer(res: dict) -> None:
@@ -196,6 +220,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         scenario_direct(rank, world, "none", dist.ReduceOp.SUM, res, "sum")
         scenario_direct(rank, world, "onebit", dist._make_nccl_premul_sum(0.25), res, "premul")
         scenario_optimizer(res)
+        scenario_routing(rank, res)
     scenario_gloo(rank, world, res)
     for spec in (None, "onebit"):
         res[f"losses_{spec}"] = train(rank, spec, steps=40, raf=False, lr=0.3)[1]
@@ -329,8 +354,9 @@ def test_exact_resume_and_other_world_size_refused(ranks):
     for rank, res in enumerate(ranks):
         assert res["resume"][0], f"rank {rank}: max |diff| {res['resume'][1]}"
         assert res["resume_calls"][1] > 0
-        assert "world size" in res["other_world"] and "new FSDPCompressionState" in \
-            res["other_world"], res["other_world"]
+        for msg in res["other_world"]:
+            assert f"world size {len(ranks) + 1}" in msg and "new FSDPCompressionState" in msg, \
+                msg
 
 
 @pytest.mark.cluster
@@ -341,6 +367,16 @@ def test_nan_input_fails_every_rank_naming_the_sender(ranks):
             assert kind == "ValueError" and "non-finite" in msg, res["nan"]
         else:
             assert kind == "PayloadError" and "rank 1" in msg, res["nan"]
+
+
+@pytest.mark.cluster
+def test_dense_steps_and_async_op(ranks):
+    if len(ranks) != 2:
+        pytest.skip("checked at world 2")
+    for res in ranks:  # 4 modules with parameters (the root has none), 3 steps, 2 of them dense
+        assert res["routing"]["plain_calls"] == 8 and res["routing"]["compressed_calls"] == 4, \
+            res["routing"]
+        assert torch.isfinite(res["async"]).all() and res["async"].abs().sum() > 0
 
 
 @pytest.mark.cluster
@@ -377,6 +413,18 @@ def test_reduce_ops():
     assert reduce_factor(dist.ReduceOp.SUM, 4) is None
     with pytest.raises(ValueError, match="not supported"):
         reduce_factor(dist.ReduceOp.MAX, 4)
+
+
+def test_save_and_load_without_a_group(tmp_path):
+    st = FSDPCompressionState("onebit", "vanilla", dense_steps=3)
+    st.uses_compression("layer", 1 << 20)  # one dense call counted
+    path = st.save(tmp_path)
+    assert path == tmp_path / "gradpress_fsdp" / "rank0.pt"
+    again = FSDPCompressionState("onebit", "vanilla", dense_steps=3)
+    again.load(tmp_path)
+    assert again.state_dict() == st.state_dict()
+    with pytest.raises(ValueError, match="no residuals for this rank"):
+        again.load(tmp_path / "elsewhere")
 
 
 def test_compress_needs_an_fsdp_module():

@@ -201,5 +201,5 @@ def _completed_work() -> Any:
     """A finished ``dist.Work`` for ``async_op=True`` callers (the exchange ran already)."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(None)
-    make = getattr(dist.distributed_c10d, "_create_work_from_future", None)
+    make = getattr(torch._C._distributed_c10d, "_create_work_from_future", None)
     return make(fut) if make is not None else None

@@ -30,7 +30,7 @@ __all__ = ["FSDPCompressionState", "ModuleCodecs"]
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-_STATE_KEYS = {"version", "world_size", "rank", "compression", "modules"}
+_STATE_KEYS = {"version", "world_size", "rank", "compression", "dense", "modules"}
 
 
 class ModuleCodecs:
@@ -188,28 +188,39 @@ class FSDPCompressionState:
             cur.load_state_dict(saved, name)
         return cur
 
-    def _check_placement(self, world: int, rank: int, what: str) -> None:
+    def _check_placement(self, world: int, rank: int, what: str, loading: bool = False) -> None:
+        """The residuals belong to one (world size, rank) of the reduce-scatter group: the
+        first call (or a loaded state) fixes it, and anything else is refused (ValueError).
+        A loaded state is checked at once when this state has run, else at its first call."""
         if self._placement is None:
             self._placement = (world, rank)
         elif self._placement != (world, rank):
-            raise ValueError(f"gradpress.fsdp: {what} at world size {world}, rank {rank}, but "
-                             f"this state's residuals belong to world size "
-                             f"{self._placement[0]}, rank {self._placement[1]}; the shards "
-                             f"differ: build a new FSDPCompressionState (residuals start at 0)")
+            saved, now = ((world, rank), self._placement) if loading else \
+                (self._placement, (world, rank))
+            raise ValueError(f"gradpress.fsdp: {what}: the residuals belong to rank {saved[1]} "
+                             f"of world size {saved[0]}, this is rank {now[1]} of world size "
+                             f"{now[0]}. The shards, hence the residuals, depend on the world "
+                             f"size: resume at world size {saved[0]}, or build a new "
+                             f"FSDPCompressionState (its residuals start at zero)")
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Residuals, step counters, world size and rank of this rank (CPU tensors)."""
+        """Residuals and step counters (per module), the uncompressed calls made so far of
+        ``dense_steps``, and the world size and rank of the reduce-scatter group (None before
+        the first call) of this rank (CPU tensors)."""
         world, rank = self._placement if self._placement is not None else (None, None)
         modules = {n: dict(s) for n, s in self._loaded.items()}
         modules.update({n: c.state_dict() for n, c in self.modules.items()})
         return {"version": _STATE_VERSION, "world_size": world, "rank": rank,
-                "compression": self._spec_text,
+                "compression": self._spec_text, "dense": dict(self._plain_steps),
                 "modules": modules}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output of the same rank at the same world size; a state of
-        another world size or rank, or of another codec, is refused (ValueError)."""
+        another world size or rank is refused (ValueError) now if this state has run, else at
+        its first reduce-scatter (on every rank, before any payload is exchanged; the group is
+        known only then: with HSDP it is the shard group, not the whole world); a state of
+        another codec is refused now."""
         if not isinstance(state, Mapping) or set(state) != _STATE_KEYS:
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"FSDPCompressionState.load_state_dict: expected keys "
@@ -222,8 +233,10 @@ class FSDPCompressionState:
             raise ValueError(f"FSDPCompressionState.load_state_dict: the state was saved with "
                              f"compression {state['compression']!r}, this state has {mine!r}")
         if state["world_size"] is not None:
-            self._check_saved_placement(int(state["world_size"]), int(state["rank"]))
+            self._check_placement(int(state["world_size"]), int(state["rank"]),
+                                  "load_state_dict", loading=True)
         self._loaded = {}
+        self._plain_steps = {str(n): int(v) for n, v in state["dense"].items()}
         for name, saved in state["modules"].items():
             codecs = self.modules.get(name)
             if codecs is not None:
@@ -231,38 +244,26 @@ class FSDPCompressionState:
             else:
                 self._loaded[name] = saved
 
-    def _check_saved_placement(self, world: int, rank: int) -> None:
-        """Refuse a state of another world size or rank (now, when the group is known)."""
-        import torch.distributed as dist
-        if self._placement is None and dist.is_available() and dist.is_initialized():
-            self._placement = (dist.get_world_size(), dist.get_rank())
-        if self._placement is not None and self._placement != (world, rank):
-            raise ValueError(f"FSDPCompressionState.load_state_dict: the residuals were saved "
-                             f"by rank {rank} of world size {world}; this is rank "
-                             f"{self._placement[1]} of world size {self._placement[0]}. "
-                             f"Residuals belong to the shards of one world size: resume at "
-                             f"world size {world}, or build a new FSDPCompressionState (its "
-                             f"residuals start at zero)")
-        self._placement = (world, rank)
-
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write :meth:`state_dict` to ``directory/gradpress_fsdp/rank<r>.pt`` (atomically;
-        beside a ``torch.distributed.checkpoint`` of the sharded model and optimizer)."""
-        sd = self.state_dict()
-        rank = sd["rank"] if sd["rank"] is not None else _default_rank()
-        path = Path(directory) / "gradpress_fsdp" / f"rank{rank}.pt"
-        atomic_save(sd, path)
+        """Write :meth:`state_dict` to ``directory/gradpress_fsdp/rank<r>.pt`` (``r``: the
+        global rank; atomically), beside a ``torch.distributed.checkpoint`` of the sharded
+        model and optimizer. Returns the file's path."""
+        path = _rank_file(directory)
+        atomic_save(self.state_dict(), path)
         return path
 
     def load(self, directory: str | os.PathLike) -> None:
-        """Load what :meth:`save` wrote for this rank (ValueError for a missing file or another
-        world size)."""
-        path = Path(directory) / "gradpress_fsdp" / f"rank{_default_rank()}.pt"
+        """Load what :meth:`save` wrote for this rank (ValueError for a missing file, or for
+        residuals of another world size, rank or codec: see :meth:`load_state_dict`)."""
+        path = _rank_file(directory)
         if not path.is_file():
-            raise ValueError(f"FSDPCompressionState.load: no residuals for this rank at {path}")
+            found = sorted(p.name for p in path.parent.glob("rank*.pt"))
+            raise ValueError(f"FSDPCompressionState.load: no residuals for this rank at {path} "
+                             f"(found {found or 'none'}: saved by a job of another world size?)")
         self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
-def _default_rank() -> int:
+def _rank_file(directory: str | os.PathLike) -> Path:
     import torch.distributed as dist
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return Path(directory) / "gradpress_fsdp" / f"rank{rank}.pt"
