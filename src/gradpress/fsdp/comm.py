@@ -155,7 +155,7 @@ class CompressedReduceScatter(_Base):
         is returned, to raise after the exchange (the residuals are then not to be trusted)."""
         error = None
         n = codecs.shard
-        for s, worker in enumerate(codecs.workers):
+        for s, worker in enumerate(codecs.workers):  # 1.+2. shard s -> its codec -> slot s
             out = codecs.payload(codecs.send, s)
             try:
                 worker.compress(flat[s * n:(s + 1) * n], key=self.key(s, codecs.world),
@@ -184,13 +184,13 @@ class CompressedReduceScatter(_Base):
         acc.zero_()
         senders = [f"rank {src}" for src in range(codecs.world)]
         payloads = [codecs.payload(codecs.recv, src) for src in range(codecs.world)]
-        for who, p in zip(senders, payloads):
+        for who, p in zip(senders, payloads):  # 4. validate, decode-add in rank order
             if int(p[_FLAGS]) != 0:
                 raise PayloadError(f"{label}: push from {who} rejected: the sender's input has "
                                    f"non-finite values (NaN/inf)", key=key, peer=who,
                                    stage="push")
             add_push(codecs.decoder, p, acc, key=key, step=step, sender=who, label=label)
-        if factor is not None:
+        if factor is not None:  # 5. the op, the finiteness check, the cast into the output
             (acc.div_ if factor[0] == "div" else acc.mul_)(factor[1])
         if not is_finite(acc):
             check_sum(acc, codecs.decoder, payloads, senders, key=key, label=label)

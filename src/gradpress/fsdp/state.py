@@ -161,7 +161,8 @@ class FSDPCompressionState:
         return dict(self._stats)
 
     def uses_compression(self, name: str, numel: int) -> bool:
-        """Whether module ``name``'s reduce-scatter of ``numel`` elements is compressed now."""
+        """Whether module ``name``'s reduce-scatter of ``numel`` elements is compressed now;
+        a call left to FSDP2 while ``dense_steps`` last is counted here."""
         if numel * 4 < max(self.min_compress_bytes, 1):
             return False
         done = self._plain_steps.get(name, 0)
