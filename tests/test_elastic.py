@@ -72,7 +72,8 @@ def test_fewer_then_more_workers_resume_with_the_fold_rule(
     # the task's target: the held-out loss within 5% of the uninterrupted run's
     assert one["held_out_loss"] < 1.05 * base[0]["held_out_loss"], (one, base[0])
     # the group grows again: the 1-worker checkpoint of step 30 resumed by 2 workers
-    elastic(2, tmp_path / "one", tmp_path / "out2", restarts=0)
+    shutil.copytree(tmp_path / "one" / "step-30", tmp_path / "grow" / "step-30")
+    elastic(2, tmp_path / "grow", tmp_path / "out2", restarts=0)
     two = results(tmp_path / "out2", 2)
     assert [r["start"] for r in two] == [30, 30] and two[0]["resized"]["workers"] == 2
     assert two[0]["param_hash"] == two[1]["param_hash"]
