@@ -111,7 +111,7 @@ WORKER = textwrap.dedent('''
         meta = json.load(open(f"{out}/ck-onebit/meta.json"))
         json.dump({**meta, "num_workers": 3}, open(f"{fake}/meta.json", "w"))
         try:
-            ck.load(fake, *runs["onebit"])
+            ck.load(fake, *runs["onebit"], resize="refuse")
         except ValueError as e:
             res["mismatch"] = str(e)
         try:  # a server file changed after the save (the test flipped a byte): refused
