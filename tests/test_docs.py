@@ -72,6 +72,7 @@ PUBLIC_MODULES = {
     "gradpress.optim": ("optimizers.md",),
     "gradpress.ddp": ("integrations.md",),
     "gradpress.checkpoint": ("checkpoints.md",),
+    "gradpress.elastic": ("checkpoints.md",),
     "gradpress.lightning": ("integrations.md",),
     "gradpress.huggingface": ("integrations.md",),
     "gradpress.train": ("train.md",),

@@ -42,8 +42,7 @@ import torch
 
 from .ps.errors import CheckpointError
 
-__all__ = ["RESIZE_RULES", "ResizeEvent", "fold_states", "reset_state", "last_resize",
-           "check_rule", "resized_engine_state"]
+__all__ = ["RESIZE_RULES", "ResizeEvent", "fold_states", "reset_state", "last_resize"]
 
 log = logging.getLogger(__name__)
 
