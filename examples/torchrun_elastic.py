@@ -15,7 +15,8 @@ teacher's labels). With ``--out DIR`` every worker writes ``DIR/rank<r>.json``: 
 since the start of this attempt, the held-out loss, a hash of its parameters and what a resized
 load did. ``GP_KILL_AT=STEP`` (with ``GP_KILL_RANK``, default 1) makes that worker SIGKILL itself
 before that step in torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT=0``): the
-failure the tests inject.
+failure the tests inject; with ``GP_KILL_AGENT=1`` it SIGKILLs its torchrun agent first (a node
+lost).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def maybe_die(step: int) -> None:
     if step == int(os.environ.get("GP_KILL_AT", "-1")) \
             and gp.rank() == int(os.environ.get("GP_KILL_RANK", "1")):
         print(f"worker {gp.rank()}: SIGKILL before step {step}", flush=True)
+        if os.environ.get("GP_KILL_AGENT"):  # the whole "node": its torchrun agent too
+            os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,16 +1,20 @@
 """Recovery under torchrun's elastic agent (docs/integrations.md, "Recovery with torchrun"):
 examples/torchrun_elastic.py with c10d rendezvous on 127.0.0.1; a worker SIGKILLed in the first
 attempt, the group restarted by the agent, resumed from the newest checkpoint and bit-identical to
-a run that was not killed; a checkpoint resumed by fewer and by more workers (the resize rule of
-gradpress.elastic), and refused under ``resize="refuse"``. Also the rule itself on state dicts
+a run that was not killed; two agents of ``--nnodes 1:2``, one killed with its worker (a node
+lost), the other going on alone; a checkpoint resumed by fewer and by more workers (the resize
+rule of gradpress.elastic), and refused under ``resize="refuse"``; ``gradpress train`` script
+mode with checkpoints and ``--max-restarts``. Also the rule itself on state dicts
 and the attempt that scopes the store keys."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +82,54 @@ def test_fewer_then_more_workers_resume_with_the_fold_rule(
     assert [r["start"] for r in two] == [30, 30] and two[0]["resized"]["workers"] == 2
     assert two[0]["param_hash"] == two[1]["param_hash"]
     assert two[0]["held_out_loss"] < 1.05 * base[0]["held_out_loss"], (two[0], base[0])
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait until something listens on 127.0.0.1:``port`` (``proc`` still running)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None, f"the first agent exited {proc.returncode} before it listened"
+        assert time.monotonic() < deadline, f"nothing listens on port {port} after {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.cluster
+def test_node_lost_the_other_agent_goes_on_with_one_worker(tmp_path: Path) -> None:
+    # two torchrun agents ("nodes") of --nnodes 1:2 on loopback; worker 1 SIGKILLs its agent and
+    # itself before step 25: the surviving agent restarts alone and resumes the step-20
+    # checkpoint of 2 workers with 1 (the fold rule)
+    port = str(free_port())
+    conf = "last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+    def agent(**env: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+               "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf,
+               "--monitor-interval", "0.5", str(SCRIPT), "--steps", str(STEPS), "--ckpt",
+               str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+        return subprocess.Popen(cmd, env=run_env(GRADPRESS_TIMEOUT="30", **env), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    survivor = agent()  # it must host the rendezvous endpoint: the other starts after it does
+    wait_listening(int(port), survivor)
+    lost = agent(GP_KILL_AT="25", GP_KILL_AGENT="1")
+    try:
+        lost_out = lost.communicate(timeout=120)[0]
+        out = survivor.communicate(timeout=120)[0]
+    finally:
+        for p in (survivor, lost):
+            if p.poll() is None:
+                p.kill()
+    assert lost.returncode == -9 and "SIGKILL before step 25" in lost_out, lost_out[-3000:]
+    assert survivor.returncode == 0, out[-6000:]
+    (one,) = results(tmp_path / "out", 1)
+    assert one["start"] == 20 and one["size"] == 1
+    assert one["resized"] == {"checkpoint": str((tmp_path / "ckpt" / "step-20").resolve()),
+                              "step": 20, "saved_workers": 2, "saved_servers": 2,
+                              "workers": 1, "servers": 1, "rule": "fold"}
 
 
 @pytest.mark.cluster
