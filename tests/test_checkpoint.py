@@ -35,6 +35,7 @@ from gradpress.ps.cluster import Layout
 from gradpress.ps.codec_state import (
     atomic_save,
     check_worker_state,
+    own_keys,
     read_server_states,
     restore_plan,
 )
@@ -110,7 +111,7 @@ WORKER = textwrap.dedent('''
         meta = json.load(open(f"{out}/ck-onebit/meta.json"))
         json.dump({**meta, "num_workers": 3}, open(f"{fake}/meta.json", "w"))
         try:
-            ck.load(fake, *runs["onebit"])
+            ck.load(fake, *runs["onebit"], resize="refuse")
         except ValueError as e:
             res["mismatch"] = str(e)
         try:  # a server file changed after the save (the test flipped a byte): refused
@@ -246,9 +247,17 @@ def test_state_validation(tmp_path: Path) -> None:
     entry["signature"]["codec"] = "onebit"
     with pytest.raises(ValueError, match="'layer.w'.*codec: saved 'onebit', now 'none'"):
         restore_plan(plan, entry)
-    # server files of a job with other world sizes
-    atomic_save({"format": 1, "num_workers": 4, "num_servers": 1, "tag": None, "keys": {}},
-                tmp_path / "server0.pt")
-    assert [p.name for p in tmp_path.iterdir()] == ["server0.pt"]  # no temporary left
-    with pytest.raises(ValueError, match="server 0.*4 workers.*2 workers"):
+    # server files of a job with other world sizes are re-sharded (the workers decide whether
+    # another size may load, gradpress.elastic); a directory mixing two jobs is refused
+    for i in range(2):
+        atomic_save({"format": 1, "num_workers": 4, "num_servers": 2, "tag": None,
+                     "keys": {f"t{i}": {0: {"step": 3}}}}, tmp_path / f"server{i}.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server0.pt", "server1.pt"]
+    found = read_server_states(tmp_path, Layout(2, 1, False), "server 0", None)
+    assert sorted(found) == [("t0", 0), ("t1", 0)]  # both saved servers' keys, on one now
+    assert own_keys(tmp_path, 0, "server 0", 1) == {("t0", 0), ("t1", 0)}
+    assert own_keys(tmp_path, 1, "server 1", 2) == {("t1", 0)}
+    atomic_save({"format": 1, "num_workers": 4, "num_servers": 3, "tag": None, "keys": {}},
+                tmp_path / "server1.pt")
+    with pytest.raises(ValueError, match="server1.pt.*3 servers.*mixes two jobs"):
         read_server_states(tmp_path, Layout(2, 1, False), "server 0", None)

@@ -73,6 +73,7 @@ PUBLIC_MODULES = {
     "gradpress.ddp": ("integrations.md",),
     "gradpress.fsdp": ("integrations.md",),
     "gradpress.checkpoint": ("checkpoints.md",),
+    "gradpress.elastic": ("checkpoints.md",),
     "gradpress.lightning": ("integrations.md",),
     "gradpress.huggingface": ("integrations.md",),
     "gradpress.train": ("train.md",),

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from . import api
+from .elastic import ResizeEvent, check_rule, resized_engine_state
 from .ps.codec_state import FORMAT, META_FILE, atomic_save, load_file, read_meta, worker_file
 from .ps.errors import CheckpointError
 from .torch.broadcast import (
@@ -159,34 +160,40 @@ def save(directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.
 
 
 def load(directory: str | os.PathLike, model: torch.nn.Module,
-         optimizer: torch.optim.Optimizer) -> int:
+         optimizer: torch.optim.Optimizer, *, resize: str = "fold") -> int:
     """Restore a checkpoint written by :func:`save`; returns its step. Collective over workers.
 
     Steps:
 
-    1. read ``meta.json``, check the world sizes (CheckpointError naming both otherwise) and the
-       checksums of this worker's file and of the server files (:func:`verify`);
+    1. read ``meta.json``; with other world sizes than the saved ones, apply ``resize``
+       (:mod:`gradpress.elastic`: ``"fold"`` the saved workers' residuals into their mean,
+       ``"reset"`` them, or ``"refuse"``: a CheckpointError naming both layouts); check the
+       checksums of the files this worker reads and of the server files (:func:`verify`);
     2. worker 0 loads the model and the optimizer state and broadcasts both to every worker
        (the per-worker codec state is not broadcast; a per-worker optimizer state is loaded
        by each worker from its own file instead); the state arrives through the CPU, each
        tensor onto its parameter's device, after the old state is released;
-    3. every worker restores its own codec state and RNG state from ``worker<rank>.pt``
-       (the CUDA generators into the devices the model is on now, :func:`set_rng_state`);
-    4. every server restores its keys (:func:`gradpress.load_server_state`).
+    3. every worker restores its own codec state (resized: the rule's) and RNG state from
+       ``worker<rank>.pt`` (a worker the saved job did not have: worker 0's RNG state; the
+       CUDA generators into the devices the model is on now, :func:`set_rng_state`);
+    4. every server restores its keys (:func:`gradpress.load_server_state`), re-sharded over
+       the servers of this job.
 
     Call it after ``gradpress.init()`` and creating the model and optimizer, before the first
     training step (with a ``DistributedOptimizer``, before any ``backward``).
     """
     path = _check_args(directory, model, optimizer)
-    meta = _check_meta(path)  # step 1
+    meta, event = _check_meta(path, check_rule(resize))  # step 1
     rank, rt = api.rank(), api._rt()
-    verify(path, [worker_file(path, rank).name,
+    own = rank if event is None or rank < event.saved_workers else 0
+    readers = range(event.saved_workers) if event is not None and resize == "fold" else [own]
+    verify(path, [*(worker_file(path, r).name for r in {own, *readers}),
                   *(f"server{i}.pt" for i in range(int(meta["num_servers"])))])
-    blob = load_file(worker_file(path, rank), f"worker {rank}")
-    if blob.get("tag") != meta["tag"]:
-        raise CheckpointError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
-                              f"{blob.get('tag')!r}, meta.json has {meta['tag']!r})")
+    blob = _worker_blob(path, own, meta["tag"])
     per_worker = bool(meta.get("per_worker_optimizer"))
+    engine = blob["engine"] if event is None else resized_engine_state(
+        event, per_worker, lambda r: blob["engine"] if r == own else
+        _worker_blob(path, r, meta["tag"])["engine"])
     if rank == 0:  # step 2
         model.load_state_dict(blob["model"])
     if rank == 0 or per_worker:
@@ -194,16 +201,30 @@ def load(directory: str | os.PathLike, model: torch.nn.Module,
     broadcast_parameters(model.state_dict(), root_rank=0)
     if not per_worker:
         broadcast_optimizer_state(optimizer, root_rank=0)
-    api.load_worker_state_dict(blob["engine"])  # step 3
+    api.load_worker_state_dict(engine)  # step 3
     set_rng_state(blob["rng"], train_devices(model))
     rt.worker.checkpoint.server_state("load", str(path), meta["tag"])  # step 4
     return int(meta["step"])
 
 
+def _worker_blob(path: Path, rank: int, tag: str) -> dict[str, Any]:
+    """Saved worker ``rank``'s file, checked to belong to the save ``tag``."""
+    blob = load_file(worker_file(path, rank), f"worker {rank}")
+    if blob.get("tag") != tag:
+        raise CheckpointError(f"checkpoint {path}: worker{rank}.pt belongs to another save (tag "
+                              f"{blob.get('tag')!r}, meta.json has {tag!r})")
+    return blob
+
+
 def extra(directory: str | os.PathLike) -> Any:
-    """The ``extra`` this worker passed to :func:`save` (None if it passed none)."""
+    """The ``extra`` this worker passed to :func:`save` (None if it passed none); a worker the
+    saved job did not have (it had fewer workers) gets worker 0's."""
     path = Path(directory).resolve()
-    return load_file(worker_file(path, api.rank()), f"worker {api.rank()}").get("extra")
+    rank = api.rank()
+    meta = read_meta(path)
+    if meta is not None and rank >= int(meta["num_workers"]):
+        rank = 0
+    return load_file(worker_file(path, rank), f"worker {rank}").get("extra")
 
 
 def verify(directory: str | os.PathLike, names: list[str] | None = None) -> dict[str, Any]:
@@ -263,19 +284,26 @@ def _check_args(directory: Any, model: Any, optimizer: Any) -> Path:
     return Path(directory).resolve()
 
 
-def _check_meta(path: Path) -> dict[str, Any]:
+def _check_meta(path: Path, rule: str) -> tuple[dict[str, Any], ResizeEvent | None]:
+    """The metadata, and the resize to apply when the job's sizes differ from the saved ones
+    (a CheckpointError naming both layouts under the rule ``"refuse"``)."""
     meta = read_meta(path)
     if meta is None:
         raise CheckpointError(f"{path} is not a complete gradpress checkpoint: {META_FILE} is "
                               f"missing (the save did not finish, or this is not a checkpoint "
                               f"directory)")
     lay = api._rt().cluster.layout
-    saved = (meta.get("num_workers"), meta.get("num_servers"))
-    if saved != (lay.num_workers, lay.num_servers):
+    saved = (int(meta["num_workers"]), int(meta["num_servers"]))
+    if saved == (lay.num_workers, lay.num_servers):
+        return meta, None
+    if rule == "refuse":
         raise CheckpointError(f"checkpoint {path} was saved by a job with {saved[0]} workers and "
                               f"{saved[1]} servers, this job has {lay.num_workers} workers and "
-                              f"{lay.num_servers} servers; resume with the same world sizes")
-    return meta
+                              f"{lay.num_servers} servers; resume with the same world sizes, or "
+                              f"load with resize='fold' or 'reset'")
+    return meta, ResizeEvent(checkpoint=str(path), step=int(meta["step"]),
+                             saved_workers=saved[0], saved_servers=saved[1],
+                             workers=lay.num_workers, servers=lay.num_servers, rule=rule)
 
 
 def _inner_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

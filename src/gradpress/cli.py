@@ -63,13 +63,15 @@ def _add_launch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="when a process dies, restart the job from the newest valid checkpoint "
                         "under --checkpoints (GRADPRESS_RESUME), at most N times (default 0; "
-                        "one node)")
+                        "one node: on several nodes, recovery is torchrun's elastic agent, "
+                        "docs/integrations.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ... run by each worker")
     return p
 
 
 def _resume_env(directory: str | None, workers: int, servers: int) -> dict[str, str]:
-    """``GRADPRESS_RESUME`` for ``--resume DIR`` after checking DIR's world sizes."""
+    """``GRADPRESS_RESUME`` for ``--resume DIR``; another number of workers or servers is
+    announced (the workers' ``checkpoint.load`` applies its resize rule)."""
     if directory is None:
         return {}
     path = os.path.abspath(directory)
@@ -81,10 +83,11 @@ def _resume_env(directory: str | None, workers: int, servers: int) -> dict[str, 
         raise ValueError(f"--resume {directory}: cannot read {meta_path} ({e}); is it a "
                          f"complete gradpress checkpoint?") from None
     saved = (meta.get("num_workers"), meta.get("num_servers"))
-    if saved != (workers, servers):
-        raise ValueError(f"--resume {directory}: the checkpoint was saved by a job with "
-                         f"{saved[0]} workers and {saved[1]} servers, this launch has {workers} "
-                         f"workers and {servers} servers")
+    if saved != (workers, servers):  # the workers' checkpoint.load applies its resize rule
+        print(f"gradpress launch: --resume {directory}: the checkpoint was saved by a job with "
+              f"{saved[0]} workers and {saved[1]} servers, this launch has {workers} workers "
+              f"and {servers} servers (gradpress.checkpoint.load's resize rule applies)",
+              file=sys.stderr, flush=True)
     return {"GRADPRESS_RESUME": path}
 
 

@@ -7,8 +7,9 @@ no secret either. The TCP store itself has no authentication, so the handshake r
 in plain sight; HMAC proofs bound to a fresh nonce reveal nothing about the secret and cannot be
 replayed in another job. Threat model and limits: ``docs/reliability.md``.
 
-Protocol (store keys under ``gradpress/auth/<attempt>/``, ``attempt`` = torchrun's restart
-count, else 0); ``me`` is a process's role and rank as :meth:`Layout.describe` writes it:
+Protocol (store keys under ``gradpress/<attempt>/auth/``, ``attempt`` = torchrun's restart
+count, else 0: the caller's store is already scoped to the attempt); ``me`` is a process's role
+and rank as :meth:`Layout.describe` writes it:
 
 1. World rank 0, the verifier, writes the challenge ``nonce`` (32 random bytes in hex, or
    ``"open"`` without a secret) with ``compare_set``; if another value is already there, another
@@ -35,7 +36,6 @@ import datetime
 import hashlib
 import hmac
 import logging
-import os
 import re
 import secrets
 import time
@@ -66,15 +66,14 @@ def authenticate(store: dist.Store, *, rank: int, world_size: int, describe: Cal
     """Run the join handshake for world rank ``rank`` (see the module docstring).
 
     Args:
-        store: the job's store (gradpress's prefix); keys go under ``auth/<attempt>/``.
+        store: the job's store under gradpress's prefix of this attempt; keys go under ``auth/``.
         rank: this process's world rank; rank 0 verifies everyone else.
         world_size: number of processes of the job.
         describe: role and rank of a world rank, e.g. ``"server 0 (rank 2)"``.
         secret: the job secret, or None for an open job.
         timeout: seconds any wait of the handshake may last.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    auth = dist.PrefixStore(f"auth/{attempt}/", store)
+    auth = dist.PrefixStore("auth/", store)
     if rank == 0:
         _verify_all(auth, secret, world_size, describe, timeout)
     else:

@@ -16,6 +16,12 @@ point-to-point messages of the default (world) process group. All processes also
 workers' subgroup (barriers and broadcasts among workers) and, with hierarchical aggregation,
 two subgroups per node (local reduce, local broadcast), because ``new_group`` is collective over
 the world. Every process checks that it agrees with the others on the job's shape.
+
+Every key gradpress writes to the store, the process group's rendezvous included, lives under
+``gradpress/<attempt>/`` (:attr:`ClusterConfig.attempt`, torchrun's restart count): torchrun's
+elastic agent keeps one store for every restart of the group, and a restarted process must
+never read the descriptors, server state requests, errors or gloo addresses of the processes it
+replaces (docs/integrations.md, "Recovery with torchrun").
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from .auth import authenticate
 from .config import ClusterConfig
 from .errors import GradpressError
 
-__all__ = ["Layout", "Cluster"]
+__all__ = ["Layout", "Cluster", "store_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,11 @@ class Layout:
         return f"{' + '.join(parts) or 'unknown'} (rank {rank})"
 
 
+def store_prefix(attempt: int) -> str:
+    """The prefix of every store key of attempt ``attempt`` of a job."""
+    return f"gradpress/{attempt}/"
+
+
 def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
@@ -169,8 +180,9 @@ class Cluster:
         self._owns_store = not cfg.store_hosted and cfg.rank == 0
         self._listener: socket.socket | None = None  # the store's socket when this rank hosts
         self.raw_store = self._open_store()
-        #: gradpress's own keys (descriptors, errors) live under this prefix
-        self.store = dist.PrefixStore("gradpress/", self.raw_store)
+        #: gradpress's own keys (descriptors, errors, process group) live under this prefix
+        self.prefix = store_prefix(cfg.attempt)
+        self.store = dist.PrefixStore(self.prefix, self.raw_store)
         self.worker_group: dist.ProcessGroup | None = None
         #: (local reduce group, local broadcast group) of this worker's node (hierarchical)
         self.local_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
@@ -213,7 +225,7 @@ class Cluster:
         _gloo_on_loopback(self.cfg.master_addr)
         self.store.set(f"joined/{self.rank}", "1")
         try:
-            dist.init_process_group("gloo", store=dist.PrefixStore("pg/", self.raw_store),
+            dist.init_process_group("gloo", store=dist.PrefixStore("pg/", self.store),
                                     rank=self.rank, world_size=lay.world_size,
                                     timeout=_timedelta(self.timeout))
         except Exception as e:

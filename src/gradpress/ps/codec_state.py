@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "META_FILE", "worker_file", "server_file", "atomic_save", "load_file",
            "read_meta", "WorkerCheckpoint", "ServerCheckpoint", "plan_state", "restore_plan",
-           "check_worker_state", "read_server_states", "own_keys"]
+           "check_worker_state", "read_server_states", "own_keys", "saved_sizes"]
 
 log = logging.getLogger(__name__)
 
@@ -295,20 +295,22 @@ def server_snapshot(keys: Iterable[Any], layout: Layout, index: int,
 
 def read_server_states(directory: str | os.PathLike, layout: Layout, who: str,
                        tag: str | None) -> dict[tuple[str, int], dict[str, Any]]:
-    """Every saved server key of ``directory`` by (tensor, chunk), checked against the job.
+    """Every saved server key of ``directory`` by (tensor, chunk).
 
-    All server files are read (memory-mapped), so a key may have moved to another server.
-    """
+    All server files of the saved job are read (memory-mapped), so a key may have moved to
+    another server, and the saved job may have had another number of servers (an elastic
+    resize: the workers decide whether a checkpoint of other sizes may load,
+    :mod:`gradpress.elastic`; the server residuals are re-sharded whatever the sizes)."""
     found: dict[tuple[str, int], dict[str, Any]] = {}
-    for index in range(layout.num_servers):
+    sizes = saved_sizes(directory, who)
+    for index in range(sizes[1]):
         path = server_file(directory, index)
         obj = load_file(path, who)
-        if (obj.get("num_workers"), obj.get("num_servers")) != (layout.num_workers,
-                                                               layout.num_servers):
+        if (obj.get("num_workers"), obj.get("num_servers")) != sizes:
             raise CheckpointError(f"{who}: {path} was written by a job with "
                                   f"{obj.get('num_workers')} workers and {obj.get('num_servers')} "
-                                  f"servers; this job has {layout.num_workers} workers and "
-                                  f"{layout.num_servers} servers")
+                                  f"servers, server0.pt by one with {sizes[0]} and {sizes[1]}; "
+                                  f"the checkpoint directory mixes two jobs")
         if tag is not None and obj.get("tag") != tag:
             raise CheckpointError(f"{who}: {path} belongs to another save (tag "
                                   f"{obj.get('tag')!r}, expected {tag!r}); the checkpoint "
@@ -318,13 +320,32 @@ def read_server_states(directory: str | os.PathLike, layout: Layout, who: str,
                 seen = found.get((name, int(chunk)))  # in two files: the further stepped
                 if seen is None or int(entry.get("step", 0)) >= int(seen.get("step", 0)):
                     found[(name, int(chunk))] = entry
+    if sizes != (layout.num_workers, layout.num_servers):
+        log.info("%s: re-sharding the keys of %d saved servers over %d", who, sizes[1],
+                 layout.num_servers)
     return found
 
 
-def own_keys(directory: str | os.PathLike, index: int, who: str) -> set[tuple[str, int]]:
-    """The (tensor, chunk) pairs saved in ``server<index>.pt`` of ``directory``."""
-    obj = load_file(server_file(directory, index), who)
-    return {(name, int(chunk)) for name, chunks in obj["keys"].items() for chunk in chunks}
+def saved_sizes(directory: str | os.PathLike, who: str) -> tuple[int, int]:
+    """(workers, servers) of the job that saved ``directory`` (from its ``server0.pt``)."""
+    obj = load_file(server_file(directory, 0), who)
+    return int(obj.get("num_workers", 0)), int(obj.get("num_servers", 0))
+
+
+def own_keys(directory: str | os.PathLike, index: int, who: str,
+             num_servers: int) -> set[tuple[str, int]]:
+    """The (tensor, chunk) pairs that server ``index`` of ``num_servers`` saves again while no
+    push revived them: those of ``server<index>.pt``, or, when the saved job had another
+    number of servers, those of every saved ``server<j>.pt`` with ``j % num_servers == index``
+    (each saved key is saved again by one server)."""
+    saved = saved_sizes(directory, who)[1]
+    mine = [index] if saved == num_servers else \
+        [j for j in range(saved) if j % num_servers == index]
+    out: set[tuple[str, int]] = set()
+    for j in mine:
+        obj = load_file(server_file(directory, j), who)
+        out |= {(name, int(chunk)) for name, chunks in obj["keys"].items() for chunk in chunks}
+    return out
 
 
 def restore_key(ks: Any, entry: Mapping[str, Any], pushers: int, who: str) -> None:
@@ -382,7 +403,8 @@ class ServerCheckpoint:
             meta = read_meta(resume)
             self._pending = read_server_states(resume, engine.cluster.layout, engine.name,
                                                None if meta is None else meta.get("tag"))
-            self._own = own_keys(resume, engine.index, engine.name)
+            self._own = own_keys(resume, engine.index, engine.name,
+                                 engine.cluster.layout.num_servers)
             log.info("%s: %d saved keys pending from %s", engine.name, len(self._pending),
                      resume)
 
@@ -426,7 +448,8 @@ class ServerCheckpoint:
 
     def _load(self, directory: str, tag: str | None) -> None:
         loaded = read_server_states(directory, self.engine.cluster.layout, self.engine.name, tag)
-        own = own_keys(directory, self.engine.index, self.engine.name)
+        own = own_keys(directory, self.engine.index, self.engine.name,
+                       self.engine.cluster.layout.num_servers)
         with self._lock:
             self._pending.update(loaded)
             self._own |= own

@@ -204,7 +204,8 @@ class ClusterConfig:
     ``from_env`` reads the torchrun-style variables ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``GRADPRESS_ROLE``,
     ``GRADPRESS_NUM_SERVERS``, ``GRADPRESS_COLOCATE``, ``GRADPRESS_NNODES``,
-    ``GRADPRESS_STORE_HOSTED``, ``GRADPRESS_SECRET``. Without any of them it describes a single
+    ``GRADPRESS_STORE_HOSTED``, ``GRADPRESS_SECRET``, and the attempt: ``GRADPRESS_ATTEMPT``,
+    else torchrun's ``TORCHELASTIC_RESTART_COUNT``. Without any of them it describes a single
     colocated process.
     """
 
@@ -234,6 +235,10 @@ class ClusterConfig:
     #: The job secret every process proves at rendezvous (``GRADPRESS_SECRET``; None: the job
     #: is not authenticated). Never printed. See :mod:`gradpress.ps.auth`.
     secret: str | None = field(default=None, repr=False)
+    #: Which start of the job this is: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``)
+    #: or ``GRADPRESS_ATTEMPT``. Every store key of gradpress is scoped to it, so a restarted
+    #: group never reads what an earlier attempt left in a store that outlived it.
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -241,7 +246,7 @@ class ClusterConfig:
                              f"got {self.role!r}")
         for name in ("num_workers", "nnodes", "local_size"):
             _check_int(self, name, 1)
-        for name in ("rank", "num_servers", "local_rank", "master_port"):
+        for name in ("rank", "num_servers", "local_rank", "master_port", "attempt"):
             _check_int(self, name, 0)
         if self.num_servers < 1:
             raise ValueError(f"ClusterConfig.num_servers must be >= 1, got {self.num_servers}")
@@ -290,5 +295,7 @@ class ClusterConfig:
         hosted = env.get("GRADPRESS_STORE_HOSTED") or env.get("TORCHELASTIC_USE_AGENT_STORE", "")
         vals["store_hosted"] = _parse_bool("GRADPRESS_STORE_HOSTED", hosted)
         vals["secret"] = env.get("GRADPRESS_SECRET") or None
+        vals["attempt"] = int(env.get("GRADPRESS_ATTEMPT")
+                              or env.get("TORCHELASTIC_RESTART_COUNT") or "0")
         vals.update(overrides)
         return cls(**vals)

@@ -7,7 +7,8 @@ store; the launcher records a child that exited non-zero. The watchdog spreads t
 processes that are not waiting on the failed one (a worker computing, a server between steps).
 Every ``watchdog_interval`` seconds, on its own connection to the store, it:
 
-1. reads the failures recorded by other processes (``gradpress/errors``) and by launchers
+1. reads the failures recorded by other processes of this attempt (``gradpress/<attempt>/errors``)
+   and by launchers
    (``launch/failed``);
 2. if none is recorded but this worker engine failed (servers report their own failures),
    records that failure, so the others learn of it;
@@ -89,7 +90,7 @@ class Watchdog:
             log.warning("%s: watchdog disabled: cannot connect to the store: %s", self.me, e)
             return self
         self._raw = client
-        self._prefixed = dist.PrefixStore("gradpress/", client)  # the keys Cluster uses
+        self._prefixed = dist.PrefixStore(self.cluster.prefix, client)  # the keys Cluster uses
         self._thread = threading.Thread(target=self._loop, name="gp-watchdog", daemon=True)
         self._thread.start()
         return self

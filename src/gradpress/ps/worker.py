@@ -216,8 +216,12 @@ class WorkerEngine:
             h.wait_quietly(self.cfg.timeout)
         self._dispatch_q.put(None)
         self._recv_q.put(None)
+        # a failed engine's threads may wait on a peer that will never answer (the local
+        # server blocked on a dead worker): they are daemons, bounded by the timeout, and
+        # the process need not wait for them to exit (a restart waits on that exit)
+        limit = self.cfg.timeout if self._error is None else min(self.cfg.timeout, 1.0)
         for t in self._threads:
-            t.join(self.cfg.timeout)
+            t.join(limit)
         self._pool.shutdown(wait=self._error is None)
         self._buffers.clear()
         self._pinned.drain(wait=self._error is None)

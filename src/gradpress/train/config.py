@@ -130,7 +130,8 @@ class TrainConfig:
                                           "end is always evaluated)", metavar="N")
     checkpoint_every: int = option(0, "save a checkpoint every N steps into "
                                       "OUT/checkpoints/step-<N>/, keeping the newest 2 (0: "
-                                      "never; bundled tasks)", metavar="N")
+                                      "never; a script saves through Session.checkpoints)",
+                                   metavar="N")
     resume: str | None = option(None, "continue from a checkpoint: its directory, or auto (the "
                                       "newest valid one under OUT/checkpoints; none: start "
                                       "afresh)", metavar="DIR")
@@ -190,18 +191,12 @@ class TrainConfig:
 
     def _check_recovery(self) -> None:
         """``checkpoint_every`` and ``max_restarts``: ints >= 0; ``resume``: a non-empty path
-        or ``auto``; all three only for bundled tasks (their loop saves the checkpoints)."""
+        or ``auto`` (a script saves and resumes through ``Session.checkpoints``)."""
         _positive_int(self, "checkpoint_every", optional=False, lo=0)
         _positive_int(self, "max_restarts", optional=False, lo=0)
         if self.resume is not None and (not isinstance(self.resume, str) or not self.resume):
             raise ValueError(f"TrainConfig.resume must be a checkpoint directory or 'auto', got "
                              f"{self.resume!r}")
-        if self.script and (self.checkpoint_every or self.max_restarts
-                            or self.resume is not None):
-            raise ValueError("TrainConfig.checkpoint_every, resume and max_restarts are for "
-                             "bundled tasks; a script saves and loads with gradpress.checkpoint "
-                             f"(got checkpoint_every={self.checkpoint_every}, "
-                             f"resume={self.resume!r}, max_restarts={self.max_restarts})")
 
     def _check_betas(self) -> None:
         """``betas``: None or two numbers in [0, 1); not for ``sgd-ef``."""

@@ -76,7 +76,8 @@ def resolve_resume(value: str | None, out: str | Path,
     """The checkpoint directory ``--resume`` names: ``auto`` is the newest valid one under
     ``OUT/checkpoints`` (None when there is none: start afresh); a directory is verified
     (ValueError naming the file and checksums if it is refused). With ``world`` (workers,
-    servers), a checkpoint of other world sizes is a ValueError naming both."""
+    servers), a checkpoint of other world sizes is announced on stdout, naming both (the
+    workers apply the resize rule of :mod:`gradpress.elastic`)."""
     from ..checkpoint import latest, verify
     from ..ps.codec_state import read_meta
 
@@ -91,9 +92,10 @@ def resolve_resume(value: str | None, out: str | Path,
         meta, path = verify(value), Path(value)
     saved = (meta.get("num_workers"), meta.get("num_servers"))
     if world is not None and saved != tuple(world):
-        raise ValueError(f"--resume {value}: checkpoint {path} was saved by a job with "
-                         f"{saved[0]} workers and {saved[1]} servers, this run has {world[0]} "
-                         f"workers and {world[1]} servers")
+        print(f"gradpress train: --resume {value}: checkpoint {path} was saved by a job with "
+              f"{saved[0]} workers and {saved[1]} servers, this run has {world[0]} workers and "
+              f"{world[1]} servers: the workers fold the saved residuals (resize rule 'fold', "
+              f"gradpress.elastic)", flush=True)
     return str(path.resolve())
 
 
@@ -128,19 +130,30 @@ class TrainCheckpoints:
 
         Steps:
 
-        1. load the model, optimizer, codec, server and RNG state;
-        2. read this worker's ``extra``: data position, step counter, guard state;
+        1. load the model, optimizer, codec, server and RNG state (a checkpoint of another
+           number of workers under the resize rule of :mod:`gradpress.elastic`);
+        2. read this worker's ``extra``: data position (resized: the batches drawn in the epoch
+           scaled by saved workers / workers, so as many samples count as drawn), step counter,
+           guard state; a resize is recorded in the metrics (``report.json``: ``resized``);
         3. set the session's step and apply the lr schedule for it.
         """
-        from .. import checkpoint
+        from .. import checkpoint, elastic
 
         step = checkpoint.load(directory, self.model, self.opt)  # step 1
         extra = checkpoint.extra(directory) or {}  # step 2
         self.position = (int(extra.get("epoch", 0)), int(extra.get("index", 0)))
+        resized = elastic.last_resize()
+        if resized is not None and resized["checkpoint"] != str(Path(directory).resolve()):
+            resized = None  # an earlier load's
+        if resized is not None:  # as many samples of the epoch count as drawn
+            self.position = (self.position[0],
+                             self.position[1] * resized["saved_workers"] // resized["workers"])
         if self.s.guard is not None and extra.get("guard") is not None:
             self.s.guard.load_state_dict(extra["guard"])
         self.s.steps = step  # step 3
         self.s.set_lr(self.opt)
+        if resized is not None:
+            self.s.note_resize(resized)
         return step
 
     def after_step(self, epoch: int, index: int) -> None:

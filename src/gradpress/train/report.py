@@ -136,6 +136,10 @@ def run_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         rep["codec"] = codec
         rep["compressed_ratio_vs_fp32"] = codec["compressed_vs_fp32"]
         rep["compressed_ratio_vs_fp16"] = codec["compressed_vs_fp16"]
+    resized = [{k: v for k, v in r.items() if k not in ("kind", "run")} for r in records
+               if r.get("kind") == "resize"]
+    if resized:  # resumed by another number of workers (gradpress.elastic)
+        rep["resized"] = resized
     plan = next((r for r in reversed(records) if r.get("kind") == "plan"), None)
     if plan is not None:
         rep["plan"] = {k: v for k, v in plan.items() if k not in ("kind", "run")}

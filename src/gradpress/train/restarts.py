@@ -41,13 +41,14 @@ def last_step(metrics: str | Path) -> int:
 
 def trim_metrics(metrics: str | Path, step: int) -> None:
     """Keep only the records of ``metrics.jsonl`` up to ``step`` (a resumed run appends the
-    rest): ``start`` records, and ``step``, ``eval`` and ``plan`` records with a step at most
-    ``step``; ``end`` and ``summary`` records go. Written atomically."""
+    rest): ``start`` records, and ``step``, ``eval``, ``plan`` and ``resize`` records with a
+    step at most ``step``; ``end`` and ``summary`` records go. Written atomically."""
     path = Path(metrics)
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if r.get("kind") == "start"
-            or (r.get("kind") in ("step", "eval", "plan") and int(r.get("step", 0)) <= step)]
+            or (r.get("kind") in ("step", "eval", "plan", "resize")
+                and int(r.get("step", 0)) <= step)]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
     os.replace(tmp, path)

@@ -21,6 +21,11 @@ user script started by ``gradpress train ... -- python my_train.py`` gets the sa
     s.log_eval({"accuracy": acc}, primary="accuracy")
     s.finish(model)
 
+A script checkpoints like a bundled task (``--checkpoint-every``, ``--resume``,
+``--max-restarts``) through :meth:`Session.checkpoints`: it resumes when the run does (else
+broadcasts the parameters), and ``ck.after_step(epoch, index)`` after each step saves when due;
+``ck.position`` is the (epoch, batches drawn in it) to go on from.
+
 The optimizer (``--optimizer``) is built by :func:`gradpress.torch.builder.build_optimizer`,
 the builder of ``gp.CLAN`` and ``gp.OneBitLANS``: the same settings give the same optimizer.
 """
@@ -110,6 +115,29 @@ class Session:
                              "`gradpress train [options] -- python SCRIPT ...`")
         cfg = TrainConfig.from_dict(json.loads(Path(path).read_text())["runs"][0])
         return cls(cfg, total_steps=total_steps or cfg.steps)
+
+    def checkpoints(self, model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        """The run's :class:`~gradpress.train.periodic.TrainCheckpoints` of ``model`` and
+        ``opt`` (collective over the workers): with ``cfg.resume`` (``--resume``, or the
+        checkpoint a restart resumes from) it is loaded at once, else worker 0's parameters are
+        broadcast. Call it after :meth:`optimizer`, before :meth:`start`."""
+        from ..torch.broadcast import broadcast_parameters
+        from .periodic import TrainCheckpoints
+
+        ck = TrainCheckpoints(self, model, opt)
+        if self.cfg.resume:
+            ck.resume(self.cfg.resume)
+        else:
+            broadcast_parameters({f"{self.cfg.name}.{k}": v
+                                  for k, v in model.state_dict().items()}, root_rank=0)
+        return ck
+
+    def note_resize(self, event: Mapping[str, Any]) -> None:
+        """Rank 0: record that the run resumed a checkpoint of another number of workers
+        (:func:`gradpress.elastic.last_resize`); ``report.json`` lists it under ``resized``."""
+        if self.writer is not None:
+            self._record({"kind": "resize", "run": self.cfg.name, "step": self.steps,
+                          **event})
 
     @property
     def is_logger(self) -> bool:

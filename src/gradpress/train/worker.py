@@ -82,11 +82,7 @@ def run_task(cfg: TrainConfig, sessions: list[Session] | None = None,
     if sessions is not None:
         sessions.append(s)
     opt = s.optimizer(model, **(optimizer_options or {}))
-    ckpt = TrainCheckpoints(s, model, opt)
-    if cfg.resume:
-        ckpt.resume(cfg.resume)
-    else:
-        gp.broadcast_parameters({f"{cfg.name}.{k}": v for k, v in model.state_dict().items()})
+    ckpt = s.checkpoints(model, opt)
     s.start()
     epochs = train_steps(task, model, opt, s, bs, cfg.eval_every or spe, ckpt)
     # 4. replicas check and summary
