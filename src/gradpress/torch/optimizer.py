@@ -52,7 +52,7 @@ from .plan import NONFINITE_KEY, Plan, optimizer_plan
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
 
 log = logging.getLogger(__name__)
-NAN_POLICIES = ("raise", "skip")
+NAN_POLICIES = defaults.NAN_POLICIES  # shared with the DDP hook
 _FLAG_NAME = NONFINITE_KEY
 #: A ``min_compress_bytes`` no tensor reaches: the tensor travels uncompressed (fp32, exact) and
 #: keeps the worker-side momentum of dist-EF-SGDM, as tensors below the threshold do. How the
@@ -66,7 +66,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         ef: str | EFSpec | None = None,
         momentum: str | None = None, mu: float = 0.9,
         min_compress_bytes: int | str | None = defaults.MIN_COMPRESS_BYTES,
-        backward_passes_per_step: int = 1, nan_policy: str = "raise",
+        backward_passes_per_step: int = 1, nan_policy: str = defaults.NAN_POLICY,
         dense_steps: int = defaults.WRAPPER_DENSE_STEPS,
         uncompressed_params: Iterable[str] | str = defaults.UNCOMPRESSED_PARAMS
         ) -> torch.optim.Optimizer:
