@@ -655,6 +655,7 @@ def test_device_check_records_its_event_on_the_flags_device(monkeypatch):
 
     class Ok:
         device = torch.device("cuda", 1)
+        shape = (2,)
 
     class Flag:
         def copy_(self, src, non_blocking=False):

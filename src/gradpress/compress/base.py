@@ -57,13 +57,18 @@ from . import transfer
 from .header import HEADER_BYTES, Header, header_bytes, read_header
 from .spec import CodecSpec, Param
 
-__all__ = ["Codec", "register", "REGISTRY", "NAN_POLICIES", "BACKENDS"]
+__all__ = ["Codec", "register", "REGISTRY", "NAN_POLICIES", "BACKENDS", "NonFiniteInputError"]
 
 log = logging.getLogger(__name__)
 
 NAN_POLICIES = ("raise", "allow")
 _FLAGS_AT = 36  # offset of the header's reserved flags field (see .header)
 BACKENDS = ("auto", "numba", "torch")
+
+
+class NonFiniteInputError(ValueError):
+    """A compress rejected non-finite input (``nan_policy="raise"``), or an input that error
+    feedback made non-finite; the codec's state is as it was before the call."""
 
 
 class Codec(abc.ABC):
@@ -390,7 +395,7 @@ class Codec(abc.ABC):
 
     def _non_finite_error(self, key: int) -> ValueError:
         """The error every codec raises for non-finite input under ``nan_policy='raise'``."""
-        return ValueError(f"{self.name}.compress key {key}: input has non-finite values "
+        return NonFiniteInputError(f"{self.name}.compress key {key}: input has non-finite values "
                           f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
 
     def _scratch(self, name: str, device: torch.device, numel: int | None = None,
