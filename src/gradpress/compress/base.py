@@ -275,7 +275,7 @@ class Codec(abc.ABC):
 
     def _body_finite(self, body: np.ndarray) -> bool:
         """:meth:`payload_finite` of a body; default: decode on the host and scan."""
-        out = torch.empty(self.numel, dtype=torch.float32)
+        out = torch.empty(self.numel, dtype=torch.float32, device="cpu")
         h = Header(self.codec_id, 0, self.numel, 0, None, self.fingerprint)
         self._decode(torch.from_numpy(body), out, h)
         return bool(torch.isfinite(out).all())

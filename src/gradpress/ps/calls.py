@@ -87,7 +87,7 @@ def flat_fp32(tensor: torch.Tensor, name: str, *, keep_device: bool = False) -> 
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
     """An uninitialised float32 CPU buffer of ``like``'s size; pinned when ``like`` is on CUDA
     (torch's caching host allocator reuses pinned blocks, so this is cheap per chunk)."""
-    return torch.empty(like.numel(), dtype=torch.float32, pin_memory=like.is_cuda)
+    return torch.empty(like.numel(), dtype=torch.float32, device="cpu", pin_memory=like.is_cuda)
 
 
 @contextlib.contextmanager

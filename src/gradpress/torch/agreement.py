@@ -152,7 +152,8 @@ class AgreementMeter:
         if workers < 2 or self.steps < 1:
             values = dict.fromkeys(self.names, 1.0)
         else:
-            local = torch.tensor([self._sums[n] for n in self.names], dtype=torch.float64)
+            local = torch.tensor([self._sums[n] for n in self.names], dtype=torch.float64,
+                                 device="cpu")
             total = sum_over_workers(local)
             r = [float(t) / (workers * self.steps) for t in total]
             values = {n: (workers * ri - 1) / (workers - 1)

@@ -283,7 +283,7 @@ class _Distributed:
         self._gp_counts.clear()
         self._gp_skipped = False
         if self._gp_nan == "skip":  # step 3: the step's one read of the finiteness flags
-            flag = torch.tensor([1.0 if _any_set(self._gp_nonfinite) else 0.0])
+            flag = torch.tensor([1.0 if _any_set(self._gp_nonfinite) else 0.0], device="cpu")
             self._gp_nonfinite.clear()
             total = api.push_pull(flag, _FLAG_NAME, average=False, compression="none", ef="none")
             if float(total[0]) > 0:
