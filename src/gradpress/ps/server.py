@@ -226,7 +226,8 @@ class ServerEngine:
     # -- step 1: per-worker control threads ----------------------------------------------------
     def _control_loop(self, w: int) -> None:
         rank = self.pushers[w]
-        buf = torch.empty(INLINE_BYTES, dtype=torch.uint8, device="cpu")  # a control message, or an inline push
+        # a control message, or an inline push
+        buf = torch.empty(INLINE_BYTES, dtype=torch.uint8, device="cpu")
         head = buf.numpy()[:CTRL_BYTES]
         who = self.cluster.describe(rank)
         while self._error is None:
