@@ -364,16 +364,17 @@ def test_hierarchical_staging_follows_check_out() -> None:
     from gradpress.ps.hierarchy import _stage
 
     x = torch.arange(8, dtype=torch.float32)
-    flat, dest = _stage(x, x, "g")  # in place on the CPU: the tensor itself is reduced
-    assert flat.data_ptr() == x.data_ptr() and dest is None
+    flat, dest, copied = _stage(x, x, "g")  # in place on the CPU: the tensor itself is reduced
+    assert flat.data_ptr() == x.data_ptr() and dest is None and copied is None
     buf = torch.full((2, 4), float("nan"))
-    flat, dest = _stage(x, buf, "g")  # a separate CPU out: filled now, reduced in place
+    flat, dest, copied = _stage(x, buf, "g")  # a separate CPU out: filled now, reduced in place
     assert flat.data_ptr() == buf.data_ptr() and dest is None and torch.equal(flat, x)
-    flat, dest = _stage(x, None, "g")  # no out: a copy, never the input
-    assert flat.data_ptr() != x.data_ptr() and torch.equal(flat, x) and dest is None
+    flat, dest, copied = _stage(x, None, "g")  # no out: a copy, never the input
+    assert flat.data_ptr() != x.data_ptr() and torch.equal(flat, x)
+    assert dest is None and copied is None
     h16 = x.to(torch.float16)
-    flat, dest = _stage(h16, None, "g")
-    assert flat.dtype == torch.float32 and torch.equal(flat, x)
+    flat, dest, copied = _stage(h16, None, "g")
+    assert flat.dtype == torch.float32 and torch.equal(flat, x) and copied is None
     # out on another device than the tensor: rejected as the flat pipeline rejects it
     with pytest.raises(TypeError, match=r"'g'.*float32 tensor on cpu.*on meta"):
         _stage(x, torch.empty(8, device="meta"), "g")

@@ -204,7 +204,7 @@ class Handle:
                                    f"{timeout:g} s", key=self.name, stage="wait")
         if self._error is not None:
             raise self._error
-        if not self._cuda_events:
+        if self._device.type != "cuda":
             if self._result is None:
                 self._result = self._materialise()
             return self._result
@@ -226,12 +226,16 @@ class Handle:
         return self._result
 
     def _materialise(self) -> torch.Tensor:
+        """The result, on the current stream; from a pinned host ``out`` (hierarchical
+        aggregation) without blocking: its caching allocator keeps the block until the copy
+        ran (compress/transfer.py)."""
+        quiet = self._out.device.type == "cpu" and self._out.is_pinned()
         if self._dest is not None:
-            self._dest.reshape(-1).copy_(self._out)
+            self._dest.reshape(-1).copy_(self._out, non_blocking=quiet)
             return self._dest.view(self._shape)
         res = self._out.view(self._shape)
         if res.dtype != self._dtype or res.device != self._device:
-            res = res.to(device=self._device, dtype=self._dtype)
+            res = res.to(device=self._device, dtype=self._dtype, non_blocking=quiet)
         return res
 
     def wait_quietly(self, timeout: float) -> None:
