@@ -144,13 +144,13 @@ class AgreementMeter:
     def _host_sums(self) -> dict[str, float]:
         """The sums of step 1 as floats: one read per device."""
         out = {n: v for n, v in self._sums.items() if not isinstance(v, torch.Tensor)}
-        by_device: dict[torch.device, list[str]] = {}
+        by_device: dict[torch.device, dict[str, torch.Tensor]] = {}
         for n, v in self._sums.items():
             if isinstance(v, torch.Tensor):
-                by_device.setdefault(v.device, []).append(n)
-        for names in by_device.values():
-            values = torch.stack([torch.as_tensor(self._sums[n]) for n in names]).tolist()
-            out.update(zip(names, (float(v) for v in values), strict=True))
+                by_device.setdefault(v.device, {})[n] = v
+        for sums in by_device.values():
+            values = torch.stack(list(sums.values())).tolist()
+            out.update(zip(sums, (float(v) for v in values), strict=True))
         return out
 
     def end_step(self) -> None:
