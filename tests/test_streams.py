@@ -107,7 +107,7 @@ WORKER = textwrap.dedent('''
             xs = [make(r, 7 * s + i, w.shape).to(dev) for i, w in enumerate(ws)]
             torch.cuda.synchronize()
             with torch.cuda.stream(side):
-                torch.cuda._sleep(%(sleep)d)  # the members' copies queue behind this
+                torch.cuda._sleep(SLEEP_CYCLES)  # the members' copies queue behind this
                 sum((w * x).sum() for i, (w, x) in enumerate(zip(ws, xs)) if i != 2).backward()
             opt.synchronize()  # on the default stream: w2's zeros complete the fused key
             torch.cuda.synchronize()
@@ -152,7 +152,7 @@ WORKER = textwrap.dedent('''
      "dense_syncs": dense_syncs}[part]()
     torch.save(results, os.path.join(out_dir, f"worker{r}.pt"))
     gp.shutdown()
-''' % {"sleep": SLEEP})
+''').replace("SLEEP_CYCLES", str(SLEEP))
 
 
 def _job(tmp_path: Path, part: str, mode: str = "host") -> None:
