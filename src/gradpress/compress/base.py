@@ -57,7 +57,7 @@ from . import transfer
 from .header import HEADER_BYTES, Header, header_bytes, read_header
 from .spec import CodecSpec, Param
 
-__all__ = ["Codec", "register", "REGISTRY", "NAN_POLICIES", "BACKENDS", "NonFiniteInputError"]
+__all__ = ["Codec", "register", "REGISTRY", "NAN_POLICIES", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ _FLAGS_AT = 36  # offset of the header's reserved flags field (see .header)
 BACKENDS = ("auto", "numba", "torch")
 
 
-class NonFiniteInputError(ValueError):
+class _NonFiniteInputError(ValueError):
     """A compress rejected non-finite input (``nan_policy="raise"``), or an input that error
     feedback made non-finite; the codec's state is as it was before the call."""
 
@@ -395,7 +395,7 @@ class Codec(abc.ABC):
 
     def _non_finite_error(self, key: int) -> ValueError:
         """The error every codec raises for non-finite input under ``nan_policy='raise'``."""
-        return NonFiniteInputError(f"{self.name}.compress key {key}: input has non-finite values "
+        return _NonFiniteInputError(f"{self.name}.compress key {key}: input has non-finite values "
                           f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
 
     def _scratch(self, name: str, device: torch.device, numel: int | None = None,

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Codec, NonFiniteInputError, register
+from .base import Codec, _NonFiniteInputError, register
 from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import sparse as K
@@ -84,7 +84,7 @@ def _parse_seed(v: Any) -> int | None:
 
 def _non_finite(name: str, key: int) -> ValueError:
     # Same text as Codec._check_finite, for codecs that detect non-finite input in their own scan.
-    return NonFiniteInputError(f"{name}.compress key {key}: input has non-finite values "
+    return _NonFiniteInputError(f"{name}.compress key {key}: input has non-finite values "
                                f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compress.base import NonFiniteInputError
+from ..compress.base import _NonFiniteInputError
 from ..ps.errors import GradpressError, PayloadError
 from .buckets import (
     BucketCodecs,
@@ -78,7 +78,7 @@ class BucketPipeline:
             kw: dict[str, Any] = {"key": bucket_key(index, s, world), "step": step, "lr": self.lr}
             try:
                 codecs.workers[s].compress(buf[lo:hi], out=out, **kw)
-            except NonFiniteInputError:  # a host payload: raised, the codec state kept
+            except _NonFiniteInputError:  # a host payload: raised, the codec state kept
                 if not skip:  # (a non-finite shard, or error feedback made it overflow)
                     raise
                 write_rejected(codecs.workers[s], out, **kw)  # the owner skips the bucket
