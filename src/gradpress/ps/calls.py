@@ -204,7 +204,7 @@ class Handle:
                                    f"{timeout:g} s", key=self.name, stage="wait")
         if self._error is not None:
             raise self._error
-        if self._device.type != "cuda":
+        if not self._cuda_events and self._device.type != "cuda":
             if self._result is None:
                 self._result = self._materialise()
             return self._result
