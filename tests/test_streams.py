@@ -115,6 +115,7 @@ WORKER = textwrap.dedent('''
                 want = torch.zeros(w.shape) if i == 2 else \\
                     sum(make(q, 7 * s + i, w.shape) for q in range(W)) / W
                 assert torch.equal(w.grad.cpu(), want), (s, i, w.grad[:4], want[:4])
+                results[f"f/{s}/{i}"] = w.grad.cpu()
             with opt.skip_synchronize():
                 opt.step()
 
