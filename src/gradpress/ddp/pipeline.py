@@ -72,20 +72,7 @@ class BucketPipeline:
         step = self._steps.get(index, 0)
         self._steps[index] = step + 1
         skip = self._nan_policy == "skip"
-        # 1.+2. shard s of the flat buffer -> worker codec s (its residual) -> send slot s
-        for s, (lo, hi) in enumerate(codecs.bounds):
-            out = codecs.payload(codecs.send, s, s)
-            kw: dict[str, Any] = {"key": bucket_key(index, s, world), "step": step, "lr": self.lr}
-            try:
-                codecs.workers[s].compress(buf[lo:hi], out=out, **kw)
-            except _NonFiniteInputError:  # a host payload: raised, the codec state kept
-                if not skip:  # (a non-finite shard, or error feedback made it overflow)
-                    raise
-                write_rejected(codecs.workers[s], out, **kw)  # the owner skips the bucket
-                continue
-            finite = codecs.workers[s].last_finite
-            if finite is not None:  # a device payload: no raise above
-                mark_rejected(out, finite)
+        self._compress_shards(codecs, buf, index, step, skip)  # 1.+2.
         # 3. slot s goes to rank s; recv slot r holds rank r's payload for the shard we own
         work = dist.all_to_all_single(codecs.recv, codecs.send, group=group, async_op=True)
         deferred = self._defer if self._defer is not None else buf.device.type == "cuda"
@@ -95,6 +82,26 @@ class BucketPipeline:
         self._stats["dense_bytes"] += buf.numel() * 4
         self._stats["payload_bytes"] += codecs.send.numel() + codecs.slot
         return self._inflight.future
+
+    def _compress_shards(self, codecs: BucketCodecs, buf: torch.Tensor, index: int, step: int,
+                         skip: bool) -> None:
+        """Steps 1-2: shard s of the flat buffer -> worker codec s (its residual) -> send slot
+        s. A rejected (non-finite) input marks its push: on the device, from the codec's flag;
+        on the host, where the compress raised, under ``skip`` only (else the error stands)."""
+        for s, (lo, hi) in enumerate(codecs.bounds):
+            out = codecs.payload(codecs.send, s, s)
+            kw: dict[str, Any] = {"key": bucket_key(index, s, codecs.world), "step": step,
+                                  "lr": self.lr}
+            try:
+                codecs.workers[s].compress(buf[lo:hi], out=out, **kw)
+            except _NonFiniteInputError:  # the codec state is as it was
+                if not skip:  # (a non-finite shard, or error feedback made it overflow)
+                    raise
+                write_rejected(codecs.workers[s], out, **kw)  # the owner skips the bucket
+                continue
+            finite = codecs.workers[s].last_finite
+            if finite is not None:  # a device payload: no raise above
+                mark_rejected(out, finite)
 
     def _drain(self) -> None:
         """Steps 4-5 for the bucket in flight: aggregate our shard, start the all-gather."""
