@@ -252,6 +252,9 @@ class _FakeStream:
     def wait_event(self, event: object) -> None:
         self.waited.append(event)
 
+    def record_event(self) -> str:
+        return f"made on {id(self)}"
+
 
 def test_on_stream_puts_the_pool_thread_on_the_streams_device(monkeypatch) -> None:
     # torch.cuda.stream(s) alone, entered from a thread on device 0 for a stream on device 1,
@@ -316,6 +319,25 @@ def test_handle_makes_the_callers_stream_wait_on_the_chunks_events(monkeypatch) 
     assert asked == [torch.device("cpu")], "no events: no stream is asked for"
 
 
+def test_second_wait_on_another_stream_waits_for_the_first_waits_conversion(monkeypatch) -> None:
+    """CPU twin of issue 43's finding 3 (fake streams and events): the first wait converts
+    the result on its stream and records an event there; a wait on another stream waits for
+    the chunks and for that event, and gets the same tensor."""
+    from gradpress.ps.calls import Handle
+
+    a, b = _FakeStream(0), _FakeStream(0)
+    current = [a]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    h = Handle("g", torch.arange(6, dtype=torch.float32), torch.Size([6]), torch.float16,
+               torch.device("cpu"), 1)
+    h._chunk_done("ev0")
+    first = h.wait()
+    current[0] = b
+    second = h.wait()
+    assert second is first and first.dtype == torch.float16
+    assert a.waited == ["ev0"] and b.waited == ["ev0", f"made on {id(a)}"]
+
+
 def test_handle_copies_a_staged_result_into_dest_at_wait() -> None:
     from gradpress.ps.calls import Handle
 
@@ -364,16 +386,17 @@ def test_hierarchical_staging_follows_check_out() -> None:
     from gradpress.ps.hierarchy import _stage
 
     x = torch.arange(8, dtype=torch.float32)
-    flat, dest = _stage(x, x, "g")  # in place on the CPU: the tensor itself is reduced
-    assert flat.data_ptr() == x.data_ptr() and dest is None
+    flat, dest, copied = _stage(x, x, "g")  # in place on the CPU: the tensor itself is reduced
+    assert flat.data_ptr() == x.data_ptr() and dest is None and copied is None
     buf = torch.full((2, 4), float("nan"))
-    flat, dest = _stage(x, buf, "g")  # a separate CPU out: filled now, reduced in place
+    flat, dest, copied = _stage(x, buf, "g")  # a separate CPU out: filled now, reduced in place
     assert flat.data_ptr() == buf.data_ptr() and dest is None and torch.equal(flat, x)
-    flat, dest = _stage(x, None, "g")  # no out: a copy, never the input
-    assert flat.data_ptr() != x.data_ptr() and torch.equal(flat, x) and dest is None
+    flat, dest, copied = _stage(x, None, "g")  # no out: a copy, never the input
+    assert flat.data_ptr() != x.data_ptr() and torch.equal(flat, x)
+    assert dest is None and copied is None
     h16 = x.to(torch.float16)
-    flat, dest = _stage(h16, None, "g")
-    assert flat.dtype == torch.float32 and torch.equal(flat, x)
+    flat, dest, copied = _stage(h16, None, "g")
+    assert flat.dtype == torch.float32 and torch.equal(flat, x) and copied is None
     # out on another device than the tensor: rejected as the flat pipeline rejects it
     with pytest.raises(TypeError, match=r"'g'.*float32 tensor on cpu.*on meta"):
         _stage(x, torch.empty(8, device="meta"), "g")

@@ -373,7 +373,7 @@ CUDA_WORKER = textwrap.dedent('''
         with open(os.path.join(out_dir, f"syncs{r}.json"), "w") as f:
             json.dump(found, f)
         results["chunks"] = torch.tensor(chunks)
-        per_chunk = 1 if MODE == "host" else 2  # host: one out, none back; device: <= 1 each way
+        per_chunk = 1  # host: one out (an event), none back; device: the compress's copy out
         worst = max(sum(counts.values()), len(warned))
         assert worst <= per_chunk * chunks, found
 
@@ -399,8 +399,11 @@ CUDA_WORKER = textwrap.dedent('''
             assert "'hcpu'" in str(e) and "cuda" in str(e), e
 
     {"codecs": codecs, "stress": stress, "syncs": syncs, "hier": hier}[part]()
-    if dev.index != 0:  # finding 2: nothing of this rank touched GPU 0
-        assert not torch._C._cuda_hasPrimaryContext(0), "a CUDA context on GPU 0"
+    # finding 2 of issue 30: a context on this rank's device and on no other (on a one-GPU
+    # machine this at least checks the list; a pool thread on GPU 0 shows on a bigger one)
+    contexts = [i for i in range(torch.cuda.device_count())
+                if torch._C._cuda_hasPrimaryContext(i)]
+    assert contexts == [dev.index], f"CUDA contexts on {contexts}, expected [{dev.index}]"
     torch.save(results, os.path.join(out_dir, f"worker{r}.pt"))
     gp.shutdown()
 ''')

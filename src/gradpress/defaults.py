@@ -12,7 +12,7 @@ from __future__ import annotations
 __all__ = [
     "COMPRESSION", "WRAPPER_COMPRESSION", "EF", "MOMENTUM_EF", "DENSE_STEPS", "WRAPPER_DENSE_STEPS",
     "MIN_COMPRESS_BYTES", "UNCOMPRESSED_PARAMS", "WEIGHT_DECAY", "BETAS", "EPS", "SGD_MOMENTUM",
-    "HOOK_MIN_COMPRESS_BYTES", "dense_steps_for", "ef_for",
+    "HOOK_MIN_COMPRESS_BYTES", "NAN_POLICY", "NAN_POLICIES", "dense_steps_for", "ef_for",
 ]
 
 #: One bit per element instead of fp32's 32, with error feedback, which keeps the accuracy on
@@ -49,6 +49,11 @@ SGD_MOMENTUM = 0.9
 #: The DDP hook sees buckets, not tensors: buckets under 1 MiB (biases, norms, a small model's
 #: tail) are averaged exact with one allreduce.
 HOOK_MIN_COMPRESS_BYTES = 1 << 20
+#: What a non-finite gradient does, in ``gp.DistributedOptimizer`` and the DDP hook alike:
+#: ``"raise"`` (an error: a NaN is a bug until shown otherwise) or ``"skip"`` (every worker skips
+#: the step and the gradients read inf, so a ``torch.amp.GradScaler`` lowers its scale: fp16).
+NAN_POLICY = "raise"
+NAN_POLICIES = ("raise", "skip")
 
 #: The methods with an adaptive second moment that open with :data:`DENSE_STEPS`.
 _DENSE_METHODS = ("clan", "onebit-lans", "onebit-adam")

@@ -66,6 +66,11 @@ _FLAGS_AT = 36  # offset of the header's reserved flags field (see .header)
 BACKENDS = ("auto", "numba", "torch")
 
 
+class _NonFiniteInputError(ValueError):
+    """A compress rejected non-finite input (``nan_policy="raise"``), or an input that error
+    feedback made non-finite; the codec's state is as it was before the call."""
+
+
 class Codec(abc.ABC):
     """Base class of all codecs (and, through delegation, of the stateful wrappers).
 
@@ -270,7 +275,7 @@ class Codec(abc.ABC):
 
     def _body_finite(self, body: np.ndarray) -> bool:
         """:meth:`payload_finite` of a body; default: decode on the host and scan."""
-        out = torch.empty(self.numel, dtype=torch.float32)
+        out = torch.empty(self.numel, dtype=torch.float32, device="cpu")
         h = Header(self.codec_id, 0, self.numel, 0, None, self.fingerprint)
         self._decode(torch.from_numpy(body), out, h)
         return bool(torch.isfinite(out).all())
@@ -390,7 +395,7 @@ class Codec(abc.ABC):
 
     def _non_finite_error(self, key: int) -> ValueError:
         """The error every codec raises for non-finite input under ``nan_policy='raise'``."""
-        return ValueError(f"{self.name}.compress key {key}: input has non-finite values "
+        return _NonFiniteInputError(f"{self.name}.compress key {key}: input has non-finite values "
                           f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
 
     def _scratch(self, name: str, device: torch.device, numel: int | None = None,

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from . import transfer
-from .base import Codec, register
+from .base import Codec, _NonFiniteInputError, register
 from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import dithering as K
@@ -132,7 +132,8 @@ class Dithering(Codec):
         if not finite:
             if self.nan_policy == "raise":
                 self._check_finite(x, key)  # raises, with the message every codec uses
-                raise ValueError(f"{self.name}.compress key {key}: non-finite norm {norm}")
+                raise _NonFiniteInputError(f"{self.name}.compress key {key}: non-finite norm "
+                                           f"{norm}")
             norm = math.nan
         if norm == 0.0 or not finite:
             body[:self.code_bytes].zero_()

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import Codec, register
+from .base import Codec, _NonFiniteInputError, register
 from .cast import _aligned, _require_cpu
 from .header import Header
 from .kernels import sparse as K
@@ -84,8 +84,8 @@ def _parse_seed(v: Any) -> int | None:
 
 def _non_finite(name: str, key: int) -> ValueError:
     # Same text as Codec._check_finite, for codecs that detect non-finite input in their own scan.
-    return ValueError(f"{name}.compress key {key}: input has non-finite values (NaN/inf); pass "
-                      f"nan_policy='allow' to encode them anyway")
+    return _NonFiniteInputError(f"{name}.compress key {key}: input has non-finite values "
+                               f"(NaN/inf); pass nan_policy='allow' to encode them anyway")
 
 
 class _Sparse(Codec):
@@ -157,7 +157,7 @@ class TopK(_Sparse):
             return _read(iraw, torch.int32), vals
         if self.use_torch(body.device):
             return unpack_indices_torch(iraw, self.index_bits, self.kk).to(torch.int32), vals
-        idx = torch.empty(self.kk, dtype=torch.int32)
+        idx = torch.empty(self.kk, dtype=torch.int32, device="cpu")
         K.unpack_indices(iraw.numpy(), self.index_bits, idx.numpy())
         return idx, vals
 
@@ -360,7 +360,7 @@ class RandomK(_Sparse):
         s0, s1 = self._words(key, step)
         if self.use_torch(dev):
             return K.randomk_positions_torch(self.numel, self.kk, s0, s1, dev)
-        out = torch.empty(self.kk, dtype=torch.int64)
+        out = torch.empty(self.kk, dtype=torch.int64, device="cpu")
         if self.kk:
             K.randomk_positions(self.numel, s0, s1, out.numpy())
         return out if dev.type == "cpu" else out.to(dev)

@@ -45,7 +45,7 @@ def host_to(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     if not src.is_pinned():
-        staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+        staged = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=True)
         staged.copy_(src)
         src = staged  # the allocator keeps the block until the copy's event has passed
     dst.copy_(src, non_blocking=True)

@@ -17,6 +17,17 @@ the sending rank, the bucket index and shard, and what was wrong:
 
 A rejected bucket's buffer is zeroed on every rank that raises: nothing of it reaches a gradient.
 
+Non-finite gradients (``nan_policy``, shared with ``gp.DistributedOptimizer``). A sender whose
+shard is not finite marks its push (the header's first flags byte; its codec state is kept as
+it was). Under ``"raise"`` the owner rejects a marked push as above. Under ``"skip"`` (mixed
+precision: fp16 gradients overflow at a too large loss scale) a marked push with a valid header
+is no error: the owner sends a skip record (magic ``b"GS"``, the first marked sender's rank)
+instead of its aggregate, its server codec state untouched, and every rank that finds a skip
+record among the aggregates fills the whole bucket with inf. So every rank hands DDP the same
+non-finite bucket, a ``torch.amp.GradScaler`` skips the step and lowers its scale, and the
+hook goes on with the next iteration. Header errors and non-finite averages of unmarked pushes
+stay errors under both policies.
+
 Deferred checks (the default for CUDA buckets; ``TwoWayCompressionState._defer`` selects them on
 any device). The checks above read headers and finiteness flags on the host, and each read waits
 for the device (a ``cudaStreamSynchronize``) on the autograd thread, once per bucket and payload,
@@ -51,12 +62,14 @@ if TYPE_CHECKING:
     from ..compress import Codec
 
 __all__ = ["shard_bounds", "bucket_key", "all_gather_async", "BucketCodecs", "BucketExchange",
-           "reduce_shard", "finish"]
+           "reduce_shard", "finish", "write_rejected"]
 
 # An owner that rejected a push sends this instead of its aggregate: magic b"GX" (never a payload
 # header's b"GP"), 2 zero bytes, the rejected sender's rank (uint32, _NO_RANK when not one rank).
 _ABORT = struct.Struct("<2s2xI")
 _ABORT_MAGIC = b"GX"
+# Under nan_policy="skip": an owner that received a marked push sends this (same layout) instead.
+_SKIP_MAGIC = b"GS"
 _NO_RANK = 0xFFFFFFFF
 # Header bytes compared by the deferred checks: those Codec.check_header compares (magic, codec
 # id, version, key, numel, step: bytes 0-23; fingerprint: 32-35), and the flags (36-39, 0 in
@@ -125,10 +138,13 @@ class BucketCodecs:
             mask = torch.zeros(HEADER_BYTES, dtype=torch.bool, device=dev)
             for lo, hi in _CHECKED:
                 mask[lo:hi].fill_(True)
-            prefix = torch.zeros(4, dtype=torch.uint8, device=dev)  # b"GX", 2 zero bytes
-            for i, byte in enumerate(_ABORT_MAGIC):
-                prefix[i:i + 1].fill_(byte)
-            self._consts = {"mask": mask, "prefix": prefix,
+            unflagged = mask.clone()
+            unflagged[_FLAGS:_FLAGS + 4].fill_(False)
+            prefix, skip = (torch.zeros(4, dtype=torch.uint8, device=dev) for _ in range(2))
+            for i in range(2):  # b"GX" / b"GS", 2 zero bytes
+                prefix[i:i + 1].fill_(_ABORT_MAGIC[i])
+                skip[i:i + 1].fill_(_SKIP_MAGIC[i])
+            self._consts = {"mask": mask, "unflagged": unflagged, "prefix": prefix, "skip": skip,
                             "ranks": torch.arange(self.world, device=dev),
                             "shifts": torch.arange(0, 32, 8, device=dev)}
         return self._consts
@@ -137,18 +153,32 @@ class BucketCodecs:
         """The header bytes of ``heads`` as a (len(heads), HEADER_BYTES) uint8 tensor on the
         device: packed on the host, copied in from pinned memory without blocking (the caching
         host allocator keeps the block until the copy has run)."""
-        raw = torch.empty(len(heads), HEADER_BYTES, dtype=torch.uint8)
+        raw = torch.empty(len(heads), HEADER_BYTES, dtype=torch.uint8, device="cpu")
         for row, h in zip(raw, heads):
             pack_header(row, h)
         if self.acc.device.type == "cpu":
             return raw
         return raw.pin_memory().to(self.acc.device, non_blocking=True)
 
-    def header_mismatch(self, buf: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    def header_mismatch(self, buf: torch.Tensor, expected: torch.Tensor,
+                        flags: bool = True) -> torch.Tensor:
         """Bool (world,): whether the header of slot i of ``buf`` differs from ``expected``
-        (one row per slot, or one row for all) in a checked byte; device ops only."""
+        (one row per slot, or one row for all) in a checked byte (``flags=False``: not the
+        flags, where a sender marks a rejected input); device ops only."""
         heads = buf.view(self.world, self.slot)[:, :HEADER_BYTES]
-        return ((heads != expected) & self.consts()["mask"]).any(dim=1)
+        return ((heads != expected) & self.consts()["mask" if flags else "unflagged"]).any(dim=1)
+
+    def marked(self, buf: torch.Tensor) -> torch.Tensor:
+        """Bool (world,): whether slot i of ``buf`` is marked rejected by its sender."""
+        return self.slots(buf)[:, _FLAGS] != 0
+
+    def skip_records(self, buf: torch.Tensor) -> torch.Tensor:
+        """Bool (world,): whether slot i of ``buf`` holds a skip record; device ops only."""
+        return (self.slots(buf)[:, :4] == self.consts()["skip"]).all(dim=1)
+
+    def slots(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf`` (``world`` slots) as a (world, slot) view."""
+        return buf.view(self.world, self.slot)
 
     def payload(self, buf: torch.Tensor, i: int, shard: int) -> torch.Tensor:
         """The bytes of slot i of ``buf`` that hold a payload of shard ``shard``."""
@@ -190,10 +220,12 @@ class BucketExchange:
     """A bucket whose payload exchange (step 3) is in flight."""
 
     def __init__(self, index: int, buffer: torch.Tensor, codecs: BucketCodecs, step: int,
-                 group: Any, work: Any, *, iteration: int = 0, deferred: bool = False) -> None:
+                 group: Any, work: Any, *, iteration: int = 0, deferred: bool = False,
+                 skip: bool = False) -> None:
         self.index, self.buffer, self.codecs, self.step = index, buffer, codecs, step
         self.group, self.work = group, work
         self.iteration, self.deferred = iteration, deferred
+        self.skip = skip  # nan_policy="skip": a marked push skips the bucket (module docstring)
         # A CUDA bucket needs a CUDA-aware future (torch/futures/__init__.py, Future.__init__
         # and set_result): set_result then records an event on the current stream, the one
         # step 6 enqueued its decode kernels on (the pool stream of the all-gather's callback),
@@ -219,18 +251,34 @@ def _check_marked(p: torch.Tensor, who: str, key: int, label: str) -> None:
                            f"non-finite values (NaN/inf)", key=key, peer=who, stage="push")
 
 
-def _check_pushes_marked(ex: BucketExchange, pushes: list[tuple[str, torch.Tensor]]) -> None:
+def write_rejected(codec: Codec, out: torch.Tensor, *, key: int, step: int,
+                   lr: float | None) -> None:
+    """Under ``nan_policy="skip"``: the push of a shard whose compress into the host payload
+    ``out`` raised for non-finite input (its codec state kept as it was): the header the codec
+    would have written, marked rejected; the body is not read (the owner skips the bucket)."""
+    pack_header(out, Header(codec.codec_id, key, codec.numel, step, lr, codec.fingerprint))
+    out[_FLAGS:_FLAGS + 1].fill_(1)
+
+
+def _check_pushes_marked(ex: BucketExchange, pushes: list[tuple[str, torch.Tensor]]) -> list[int]:
     """Raise for the first push in rank order that is marked rejected or has a bad header
     (the order of the deferred checks, which treat both as a header mismatch); a push with a
-    bad header before any marked one is left to ``reduce_pushes``, which names it the same."""
+    bad header before any marked one is left to ``reduce_pushes``, which names it the same.
+    Under ``nan_policy="skip"`` a marked push is no error: returns the marked senders' ranks
+    when every header is valid (else [], and ``reduce_pushes`` names the bad header)."""
     c = ex.codecs
     key, label = bucket_key(ex.index, c.rank, c.world), ex.label(c.rank)
-    for who, p in pushes:
+    marked = []
+    for src, (who, p) in enumerate(pushes):
         try:
             c.server.check_header(p, key=key, step=ex.step, sender=who)
         except ValueError:
-            return
-        _check_marked(p, who, key, label)
+            return []
+        if not ex.skip:
+            _check_marked(p, who, key, label)
+        elif int(p[_FLAGS]) != 0:
+            marked.append(src)
+    return marked
 
 
 def reduce_shard(ex: BucketExchange, lr: float | None) -> None:
@@ -244,22 +292,31 @@ def reduce_shard(ex: BucketExchange, lr: float | None) -> None:
     senders = [f"rank {src}" for src in range(c.world)]
     pushes = [(who, c.payload(c.recv, src, c.rank)) for src, who in enumerate(senders)]
     try:
-        _check_pushes_marked(ex, pushes)
+        marked = _check_pushes_marked(ex, pushes)
+        if marked:  # nan_policy="skip": a sender's input was not finite; server state kept
+            _write_record(c, _SKIP_MAGIC, marked[0])
+            return
         reduce_pushes(pushes, c.server, c.server, c.acc, key=bucket_key(ex.index, c.rank, c.world),
                       step=ex.step, lr=lr, divisor=c.world, label=ex.label(c.rank),
                       out=c.agg[:c.server.payload_bytes])
     except PayloadError as e:
-        _write_abort(c, senders.index(e.peer) if e.peer in senders else None)
+        _write_record(c, _ABORT_MAGIC, senders.index(e.peer) if e.peer in senders else None)
         raise
 
 
-def finish(job: BucketExchange) -> None:
+def finish(job: BucketExchange) -> bool:
     """Step 6 (all-gather done): validate every shard's aggregate and decode it into the bucket
-    buffer. On a :class:`PayloadError` the buffer is zeroed before it is raised."""
+    buffer. On a :class:`PayloadError` the buffer is zeroed before it is raised. Under
+    ``nan_policy="skip"`` a skip record among the aggregates fills the buffer with inf once the
+    others passed; returns whether it did."""
     c, buf = job.codecs, job.buffer
+    skipped = False
     try:
         for s, (lo, hi) in enumerate(c.bounds):
             p, label = c.payload(c.gathered, s, s), job.label(s)
+            if job.skip and _is_skip_record(p):
+                skipped = True
+                continue
             _check_abort(job, p, s)
             out = buf[lo:hi] if buf.dtype == torch.float32 else c.stage(hi - lo)
             decode_reply(c.workers[s], p, out, key=bucket_key(job.index, s, c.world),
@@ -269,11 +326,19 @@ def finish(job: BucketExchange) -> None:
     except PayloadError:
         buf.zero_()
         raise
+    if skipped:
+        buf.fill_(float("inf"))
+    return skipped
 
 
-def _write_abort(c: BucketCodecs, culprit: int | None) -> None:
-    raw = _ABORT.pack(_ABORT_MAGIC, _NO_RANK if culprit is None else culprit)
+def _write_record(c: BucketCodecs, magic: bytes, culprit: int | None) -> None:
+    """Put an abort or skip record naming ``culprit`` at the head of ``agg``."""
+    raw = _ABORT.pack(magic, _NO_RANK if culprit is None else culprit)
     c.agg[:_ABORT.size].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def _is_skip_record(p: torch.Tensor) -> bool:
+    return bytes(p[:len(_SKIP_MAGIC)].cpu().numpy()) == _SKIP_MAGIC
 
 
 def _check_abort(job: BucketExchange, p: torch.Tensor, owner: int) -> None:

@@ -87,7 +87,7 @@ def flat_fp32(tensor: torch.Tensor, name: str, *, keep_device: bool = False) -> 
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
     """An uninitialised float32 CPU buffer of ``like``'s size; pinned when ``like`` is on CUDA
     (torch's caching host allocator reuses pinned blocks, so this is cheap per chunk)."""
-    return torch.empty(like.numel(), dtype=torch.float32, pin_memory=like.is_cuda)
+    return torch.empty(like.numel(), dtype=torch.float32, device="cpu", pin_memory=like.is_cuda)
 
 
 @contextlib.contextmanager
@@ -153,7 +153,9 @@ class Handle:
     On CUDA the handle completes when every chunk's result is queued on the engine's copy
     stream; :meth:`wait` then makes the caller's current stream wait for the chunks' events
     (``Stream.wait_event``, torch/cuda/streams.py) rather than blocking the host, so the result
-    is ready for work queued on that stream (other streams must wait on it themselves).
+    is ready for work queued on that stream. Each ``wait`` does this for its own current
+    stream: a second ``wait`` on another stream also waits for the dtype conversion the first
+    one queued, and the result is ``record_stream``-ed for every waiting stream.
     ``dest`` (hierarchical aggregation, a device ``out=``): the result staged in ``out`` on
     the host is copied into ``dest`` on the caller's current stream at :meth:`wait`.
     """
@@ -176,6 +178,7 @@ class Handle:
         self._result: torch.Tensor | None = None
         self._finished = False
         self._cuda_events: list[Any] = []  # one per chunk, recorded on the copy stream
+        self._made: Any = None  # CUDA: event recorded after the first wait made the result
 
     def done(self) -> bool:
         """Whether the result (or an error) is ready; never blocks."""
@@ -201,21 +204,38 @@ class Handle:
                                    f"{timeout:g} s", key=self.name, stage="wait")
         if self._error is not None:
             raise self._error
-        if self._cuda_events:
-            stream = torch.cuda.current_stream(self._device)
-            for ev in self._cuda_events:
-                stream.wait_event(ev)
-        if self._result is None:
-            self._result = self._materialise()
+        if not self._cuda_events and self._device.type != "cuda":
+            if self._result is None:
+                self._result = self._materialise()
+            return self._result
+        # CUDA: this waiter's stream waits for the chunks and, when another stream made the
+        # result (a dtype conversion, a copy into ``dest``), for that; every stream that uses
+        # the result or ``out`` is recorded on them, so neither block is reused before it ran
+        stream = torch.cuda.current_stream(self._device)
+        for ev in self._cuda_events:
+            stream.wait_event(ev)
+        with self._lock:
+            if self._result is None:
+                self._result = self._materialise()
+                self._made = stream.record_event()
+            elif self._made is not None:
+                stream.wait_event(self._made)
+            for t in {id(x): x for x in (self._out, self._result)}.values():
+                if t.is_cuda:
+                    t.record_stream(stream)
         return self._result
 
     def _materialise(self) -> torch.Tensor:
+        """The result, on the current stream; from a pinned host ``out`` (hierarchical
+        aggregation) without blocking: its caching allocator keeps the block until the copy
+        ran (compress/transfer.py)."""
+        quiet = self._out.device.type == "cpu" and self._out.is_pinned()
         if self._dest is not None:
-            self._dest.reshape(-1).copy_(self._out)
+            self._dest.reshape(-1).copy_(self._out, non_blocking=quiet)
             return self._dest.view(self._shape)
         res = self._out.view(self._shape)
         if res.dtype != self._dtype or res.device != self._device:
-            res = res.to(device=self._device, dtype=self._dtype)
+            res = res.to(device=self._device, dtype=self._dtype, non_blocking=quiet)
         return res
 
     def wait_quietly(self, timeout: float) -> None:
@@ -350,11 +370,16 @@ def decode_chunk(job: ChunkJob, device_mode: bool, pinned: PinnedKeeper) -> Any:
     if host is not None:
         decode_reply(chunk.dec, payload, host, **kw)  # type: ignore[arg-type]
     with on_stream(job.stream):
-        if host is None:  # the codec copies the payload to the device and decodes there
-            decode_reply(chunk.dec, payload, out, **kw)  # type: ignore[arg-type]
-        else:
-            out.copy_(host, non_blocking=True)  # from pinned memory: asynchronous
-        out.record_stream(job.stream)
+        try:
+            if host is None:  # the codec copies the payload to the device and decodes there
+                decode_reply(chunk.dec, payload, out, **kw)  # type: ignore[arg-type]
+            else:
+                out.copy_(host, non_blocking=True)  # from pinned memory: asynchronous
+        finally:
+            # also when decode_reply raises: its finiteness check of a host payload comes
+            # after the decode kernels were queued, which still write out on this stream; a
+            # caller that drops the failed handle must not get out's block back before then
+            out.record_stream(job.stream)
         done = job.stream.record_event()
     if host is not None:
         pinned.keep(done, host)  # the copy reads host until done

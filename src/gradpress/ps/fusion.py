@@ -15,7 +15,9 @@ Fused, as Horovod's tensor fusion and DDP's buckets do, they pay it once per buc
    (:func:`fused_name`, a BLAKE2b digest of their names and sizes): a :class:`FusedKey`. A
    bucket of one tensor is not fused; that tensor keeps its own key.
 3. At run time a :class:`Fuser` copies each member into its slice of the bucket's float32
-   buffer as the member arrives, pushes the buffer under the fused key's name when the last
+   buffer as the member arrives (on CUDA on the arriving thread's current stream, with an
+   event after each copy: the push waits for every member's event, whichever stream it
+   came from), pushes the buffer under the fused key's name when the last
    member arrived (``push`` returns a :class:`~gradpress.ps.calls.Handle`), and hands out a
    :class:`FusedHandle` per member whose ``wait()`` returns that member's slice of the
    averaged buffer, shaped, typed and placed like the member. A member waited for before its
@@ -34,6 +36,7 @@ import hashlib
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -150,6 +153,11 @@ class _Round:
     ready: threading.Event = field(default_factory=threading.Event)
     handle: Handle | None = None
     error: BaseException | None = None
+    # CUDA: events recorded after the zero fill of ``buf`` and after each member's copy, on
+    # the stream each ran on (a member arrives on the stream of its backward, another on the
+    # main thread's); the push waits for all of them (:meth:`Fuser._launch`)
+    created: Any = None
+    copied: list[Any] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -206,11 +214,15 @@ class Fuser:
             if r is None:
                 r = _Round(key, suffix, torch.zeros(key.numel, dtype=torch.float32,
                                                     device=tensor.device))
+                if r.buf.is_cuda:
+                    r.created = torch.cuda.current_stream(r.buf.device).record_event()
                 self._open[key.name] = r
         if old is not None and old is not r:
             self._launch(old)  # the previous round never completed: push it as it is
-        r.buf[off:off + n].copy_(tensor.detach().reshape(-1))
+        copied = _copy_member(r, off, n, tensor)
         with self._lock:
+            if copied is not None:
+                r.copied.append(copied)
             r.arrived.add(name)
             complete = len(r.arrived) == len(key.members)
         if complete:
@@ -232,7 +244,12 @@ class Fuser:
             r.launched = True
             if self._open.get(r.key.name) is r:
                 del self._open[r.key.name]
+            copies = list(r.copied)
         try:
+            if copies:  # submit's ready event, recorded on this stream, then covers them all
+                stream = torch.cuda.current_stream(r.buf.device)
+                for ev in copies:
+                    stream.wait_event(ev)
             r.handle = self._push(r.buf, r.name)
         except BaseException as e:
             r.error = e
@@ -251,6 +268,20 @@ class Fuser:
         if r.error is not None or r.handle is None:
             raise r.error or RuntimeError(f"fused key {r.name!r} has no push")
         return r.handle
+
+
+def _copy_member(r: _Round, off: int, n: int, tensor: torch.Tensor) -> Any:
+    """Copy a member into its slice of ``r.buf`` on the current stream; on CUDA return the
+    event recorded after the copy (the copy first waits for the zero fill, which may have run
+    on another stream, and ``buf`` is recorded for this stream)."""
+    if not r.buf.is_cuda:
+        r.buf[off:off + n].copy_(tensor.detach().reshape(-1))
+        return None
+    stream = torch.cuda.current_stream(r.buf.device)
+    stream.wait_event(r.created)
+    r.buf[off:off + n].copy_(tensor.detach().reshape(-1))
+    r.buf.record_stream(stream)
+    return stream.record_event()
 
 
 class FusedHandle:

@@ -16,9 +16,11 @@ them in the same order. All workers of a node must call ``push_pull`` in the sam
 Results are identical on all workers (the leader's bytes are broadcast); with ``none`` they
 equal the plain sum up to the summation order of the local reduce.
 
-The collectives run on float32 host buffers: a device tensor is copied down at ``submit`` (on
-the caller's current stream, blocking) and its result copied back at ``wait``, into ``out=``
-when one is given (on the tensor's device, as in the flat pipeline).
+The collectives run on float32 host buffers: a CUDA tensor is copied down at ``submit`` into
+pinned memory without blocking (on the caller's current stream; the reduce thread waits for
+the copy's event before its reduce) and its result copied back at ``wait`` from that pinned
+buffer, also without blocking, on the waiter's current stream, into ``out=`` when one is given
+(on the tensor's device, as in the flat pipeline).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .calls import Handle, check_out, flat_fp32
+from .calls import Handle, blocking_event, check_out, flat_fp32
 from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError
@@ -42,9 +44,10 @@ __all__ = ["HierarchicalEngine"]
 
 
 def _stage(tensor: torch.Tensor, out: torch.Tensor | None,
-           name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The float32 CPU buffer the node's collectives work on in place, and where the result
-    goes at ``wait`` when that is not the buffer itself (a device ``out=``; else None).
+           name: str) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The float32 CPU buffer the node's collectives work on in place, where the result goes
+    at ``wait`` when that is not the buffer itself (a device ``out=``; else None), and for a
+    CUDA tensor the event after its copy into the (pinned) buffer (else None).
 
     ``out`` follows :func:`~gradpress.ps.calls.check_out` as in the flat pipeline: on the
     tensor's device, possibly the tensor itself. A CPU ``out`` is the buffer; otherwise the
@@ -55,11 +58,15 @@ def _stage(tensor: torch.Tensor, out: torch.Tensor | None,
     if dest is not None and dest.device.type == "cpu":
         if dest.data_ptr() != src.data_ptr():
             dest.copy_(src)
-        return dest, None
-    flat = src.cpu()  # on the caller's current stream (blocking) for a device tensor
+        return dest, None, None
+    if src.is_cuda:  # no host synchronisation: the reduce thread waits for the event
+        flat = torch.empty(src.numel(), dtype=torch.float32, device="cpu", pin_memory=True)
+        flat.copy_(src, non_blocking=True)
+        return flat, dest, torch.cuda.current_stream(src.device).record_event(blocking_event())
+    flat = src.cpu()
     if flat.numel() and flat.data_ptr() == tensor.data_ptr():
         flat = flat.clone()
-    return flat, dest
+    return flat, dest, None
 
 
 class HierarchicalEngine:
@@ -101,13 +108,13 @@ class HierarchicalEngine:
         self.engine.check_call(name, kwargs.get("compression"), kwargs.get("ef"),
                                kwargs.get("lr"))
         out = kwargs.pop("out", None)
-        flat, dest = _stage(tensor, out, name)
+        flat, dest, copied = _stage(tensor, out, name)
         like = tensor if out is None else out
         # the leader's engine counts its own calls; the others count theirs here
         on_done = None if self.is_leader else self._count
         handle = Handle(name, flat, like.shape, like.dtype, like.device, 1, on_done=on_done,
                         dest=dest)
-        self._reduce_q.put((flat, name, kwargs, handle))
+        self._reduce_q.put((flat, copied, name, kwargs, handle))
         return handle
 
     def close(self) -> None:
@@ -143,8 +150,10 @@ class HierarchicalEngine:
                                  f"(leader: {self.cluster.describe(self.leader)}) failed: "
                                  f"{e}") from e
 
-    def _reduce(self, flat: torch.Tensor, name: str, kwargs: dict[str, Any],
+    def _reduce(self, flat: torch.Tensor, copied: Any, name: str, kwargs: dict[str, Any],
                 handle: Handle) -> None:  # steps 1-2
+        if copied is not None:
+            copied.synchronize()  # the tensor's copy into flat (sleeps; no spinning)
         self._collective("local reduce", name, lambda: dist.reduce(
             flat, self.leader, op=dist.ReduceOp.SUM, group=self._reduce_group))
         inner = self.engine.submit(flat, name, out=flat, **kwargs) if self.is_leader else None

@@ -111,7 +111,7 @@ def pack_control(msg: Control, buf: torch.Tensor | None = None) -> torch.Tensor:
     raw = _FMT.pack(msg.op, msg.key, msg.step, math.nan if msg.lr is None else float(msg.lr),
                     msg.nbytes)
     if buf is None:
-        buf = torch.empty(CTRL_BYTES, dtype=torch.uint8)
+        buf = torch.empty(CTRL_BYTES, dtype=torch.uint8, device="cpu")
     buf.numpy()[:] = memoryview(raw)
     return buf
 

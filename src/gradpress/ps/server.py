@@ -141,7 +141,7 @@ class ServerEngine:
                                                  for _ in range(cfg.engine_threads)]
         # one accumulator per engine and control thread (a thread reduces one key at a time),
         # grown to the largest key it reduced: memory does not grow with the number of keys
-        self._accs = [torch.empty(0, dtype=torch.float32)
+        self._accs = [torch.empty(0, dtype=torch.float32, device="cpu")
                       for _ in range(cfg.engine_threads + len(self.pushers))]
         # receive buffers of pending pushes: at most what the workers' budgets let fly
         self._buffers = BufferPool(len(self.pushers) * cfg.inflight_bytes)
@@ -226,7 +226,8 @@ class ServerEngine:
     # -- step 1: per-worker control threads ----------------------------------------------------
     def _control_loop(self, w: int) -> None:
         rank = self.pushers[w]
-        buf = torch.empty(INLINE_BYTES, dtype=torch.uint8)  # a control message, or an inline push
+        # a control message, or an inline push
+        buf = torch.empty(INLINE_BYTES, dtype=torch.uint8, device="cpu")
         head = buf.numpy()[:CTRL_BYTES]
         who = self.cluster.describe(rank)
         while self._error is None:
@@ -322,7 +323,7 @@ class ServerEngine:
 
     def _accumulator(self, thread: int, numel: int) -> torch.Tensor:
         if self._accs[thread].numel() < numel:
-            self._accs[thread] = torch.empty(numel, dtype=torch.float32)
+            self._accs[thread] = torch.empty(numel, dtype=torch.float32, device="cpu")
         return self._accs[thread][:numel]
 
     def _reduce(self, ks: KeyState, thread: int) -> None:

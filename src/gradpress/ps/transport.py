@@ -77,7 +77,7 @@ def payload_buffer(nbytes: int) -> torch.Tensor:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < HEADER_BYTES:
         raise ValueError(f"payload buffer size must be an int >= {HEADER_BYTES} (the header), "
                          f"got {nbytes!r}")
-    full = torch.empty(HEAD_ROOM + nbytes + FRAME_BYTES, dtype=torch.uint8)
+    full = torch.empty(HEAD_ROOM + nbytes + FRAME_BYTES, dtype=torch.uint8, device="cpu")
     view = full[HEAD_ROOM:HEAD_ROOM + nbytes]
     view._gp_frame = (full, full.numpy())  # type: ignore[attr-defined]
     return view

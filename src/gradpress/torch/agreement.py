@@ -18,6 +18,9 @@ not. The dense phase measures this on the real gradients, the same way on every 
    an embedding's rows without gradient): their agreement is low because different workers
    touch different rows, which exact averaging cannot cancel either, so they are compressed.
 
+The sums of step 1 stay where the gradients are (0-d device tensors): measuring adds no host
+synchronisation to a step; :meth:`AgreementMeter.decide` reads them once, in step 2.
+
 With one worker nothing can be measured and every tensor is compressed as configured.
 Measured on the bundled tasks in ``benchmarks/tensor_stats.py`` (``docs/guide.md``).
 
@@ -113,8 +116,9 @@ class AgreementMeter:
             raise ValueError(f"agreement threshold must be a finite number, got {threshold!r}")
         self.names = list(names)
         self.threshold = float(threshold)
-        self._sums = dict.fromkeys(self.names, 0.0)
-        self._local: dict[str, float] = {}
+        # float, or a 0-d float64 tensor on the gradients' device while measuring
+        self._sums: dict[str, float | torch.Tensor] = dict.fromkeys(self.names, 0.0)
+        self._local: dict[str, torch.Tensor] = {}
         self._seen = False
         self.steps = 0
         self.result: Agreement | None = None
@@ -125,16 +129,29 @@ class AgreementMeter:
     def add_local(self, name: str, grad: torch.Tensor) -> None:
         """This worker's gradient of ``name``, before it is averaged (step 1)."""
         if self.result is None and name in self._sums:
-            self._local[name] = float(grad.detach().double().pow(2).sum())
+            self._local[name] = _square_norm(grad)
 
     def add_average(self, name: str, avg: torch.Tensor) -> None:
         """The averaged gradient of ``name`` (step 1)."""
         local = self._local.pop(name, None)
         if local is None:
             return
-        a2 = float(avg.detach().double().pow(2).sum())
-        self._sums[name] += a2 / local if local > 0 else 1.0  # no own gradient: no evidence
+        a2 = _square_norm(avg).to(local.device)
+        ratio = torch.where(local > 0, a2 / local, 1.0)  # no own gradient: no evidence
+        self._sums[name] = ratio + self._sums[name]
         self._seen = True
+
+    def _host_sums(self) -> dict[str, float]:
+        """The sums of step 1 as floats: one read per device."""
+        out = {n: v for n, v in self._sums.items() if not isinstance(v, torch.Tensor)}
+        by_device: dict[torch.device, dict[str, torch.Tensor]] = {}
+        for n, v in self._sums.items():
+            if isinstance(v, torch.Tensor):
+                by_device.setdefault(v.device, {})[n] = v
+        for sums in by_device.values():
+            values = torch.stack(list(sums.values())).tolist()
+            out.update(zip(sums, (float(v) for v in values), strict=True))
+        return out
 
     def end_step(self) -> None:
         """Count the step, if it measured anything."""
@@ -152,7 +169,9 @@ class AgreementMeter:
         if workers < 2 or self.steps < 1:
             values = dict.fromkeys(self.names, 1.0)
         else:
-            local = torch.tensor([self._sums[n] for n in self.names], dtype=torch.float64)
+            sums = self._host_sums()
+            local = torch.tensor([sums[n] for n in self.names], dtype=torch.float64,
+                                 device="cpu")
             total = sum_over_workers(local)
             r = [float(t) / (workers * self.steps) for t in total]
             values = {n: (workers * ri - 1) / (workers - 1)
@@ -165,7 +184,7 @@ class AgreementMeter:
     def state_dict(self) -> dict[str, Any]:
         """The sums so far and, once decided, the decision."""
         r = self.result
-        return {"sums": dict(self._sums), "steps": self.steps,
+        return {"sums": self._host_sums(), "steps": self.steps,
                 "result": None if r is None else {"values": dict(r.values), "steps": r.steps,
                                                   "workers": r.workers,
                                                   "held": sorted(r.held)}}
@@ -181,3 +200,11 @@ class AgreementMeter:
         self.result = None if r is None else Agreement(
             values=dict(r["values"]), steps=int(r["steps"]), workers=int(r["workers"]),
             threshold=self.threshold, held=frozenset(r.get("held", ())))
+
+
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    """``||t||^2`` as a 0-d float64 tensor on ``t``'s device, with no host read and no float64
+    copy of ``t`` (a float32 dot product; ample for a ratio compared with 0.2)."""
+    flat = t.detach().reshape(-1)
+    flat = flat if flat.dtype == torch.float32 else flat.float()
+    return torch.dot(flat, flat).double()

@@ -52,7 +52,7 @@ from .plan import NONFINITE_KEY, Plan, optimizer_plan
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
 
 log = logging.getLogger(__name__)
-NAN_POLICIES = ("raise", "skip")
+NAN_POLICIES = defaults.NAN_POLICIES  # shared with the DDP hook
 _FLAG_NAME = NONFINITE_KEY
 #: A ``min_compress_bytes`` no tensor reaches: the tensor travels uncompressed (fp32, exact) and
 #: keeps the worker-side momentum of dist-EF-SGDM, as tensors below the threshold do. How the
@@ -66,7 +66,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         ef: str | EFSpec | None = None,
         momentum: str | None = None, mu: float = 0.9,
         min_compress_bytes: int | str | None = defaults.MIN_COMPRESS_BYTES,
-        backward_passes_per_step: int = 1, nan_policy: str = "raise",
+        backward_passes_per_step: int = 1, nan_policy: str = defaults.NAN_POLICY,
         dense_steps: int = defaults.WRAPPER_DENSE_STEPS,
         uncompressed_params: Iterable[str] | str = defaults.UNCOMPRESSED_PARAMS
         ) -> torch.optim.Optimizer:
@@ -283,7 +283,7 @@ class _Distributed:
         self._gp_counts.clear()
         self._gp_skipped = False
         if self._gp_nan == "skip":  # step 3: the step's one read of the finiteness flags
-            flag = torch.tensor([1.0 if _any_set(self._gp_nonfinite) else 0.0])
+            flag = torch.tensor([1.0 if _any_set(self._gp_nonfinite) else 0.0], device="cpu")
             self._gp_nonfinite.clear()
             total = api.push_pull(flag, _FLAG_NAME, average=False, compression="none", ef="none")
             if float(total[0]) > 0:

@@ -1,0 +1,337 @@
+"""The CUDA path's stream and host-buffer rules (issue #43), with CPU twins where one exists.
+
+* ``torch.set_default_device``: every host buffer gradpress means (pinned staging, wire and
+  control buffers, the hook's header and flag buffers, the nan flag) is made on ``"cpu"``
+  explicitly. The CPU twins run the PS path (a real cluster) and the DDP hook with the default
+  device set to ``"meta"``, where any buffer made without a device cannot be read on the host
+  and fails at once; the CUDA tests set ``"cuda"``, as a user's script would.
+* ``decode_chunk`` rejects a reply after its decode kernels were queued on the copy stream:
+  ``out`` must still be ``record_stream``-ed there, or a caller that drops the failed handle
+  gets ``out``'s block back while the copy stream still writes it (CUDA).
+* ``Handle.wait`` on two streams: the second waiter waits for the first one's conversion (CUDA).
+* Fusion with backward on a side stream and the step on the default stream: the push waits for
+  every member's copy (CUDA, a real cluster).
+* The dense phase of ``uncompressed_params="auto"`` reads nothing on the host per parameter:
+  its meter works on ``"meta"`` tensors (CPU twin), and a dense step makes no host
+  synchronisation beyond the pipeline's documented ones (CUDA, a real cluster).
+"""
+
+from __future__ import annotations
+
+import gc
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradpress.compress import build
+from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
+from helpers import check_replicas, finish, launch_script
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SLEEP = 200_000_000  # torch.cuda._sleep cycles: ~0.1 s, far longer than the host's next steps
+
+WORKER = textwrap.dedent('''
+    import json, os, sys, warnings
+    import torch
+    import gradpress as gp
+    from gradpress.api import _rt
+
+    out_dir, part = sys.argv[1], sys.argv[2]
+    MODE = os.environ["GRADPRESS_COMPRESS_ON"]
+    cuda = torch.cuda.is_available() and part != "meta"
+    if cuda:
+        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if part in ("meta", "default_cuda"):  # before init, as a user's script would
+        torch.set_default_device("meta" if part == "meta" else dev)
+    gp.init()
+    r, W = gp.rank(), gp.size()
+    results = {}
+
+    def make(rank, i, shape=(999,)):
+        g = torch.Generator(device="cpu").manual_seed(1009 * i + rank)
+        return torch.randn(shape, generator=g, device="cpu")
+
+    def model(tag):
+        torch.manual_seed(0)
+        return {f"{tag}.w{i}": torch.nn.Parameter(torch.zeros(n, device=dev))
+                for i, n in enumerate([3, 5, 7, 4000])}
+
+    def train(tag, steps, bad_step=None, **kw):
+        params = model(tag)
+        opt = gp.DistributedOptimizer(torch.optim.SGD(params.values(), lr=0.1),
+                                      params.items(), **kw)
+        ws = list(params.values())
+        for s in range(steps):
+            opt.zero_grad()
+            loss = sum((w * make(r, 7 * s + i, w.shape).to(dev)).sum()
+                       for i, w in enumerate(ws[:3]) if i != 2)  # w2 gets no gradient
+            loss = loss + (ws[3] * make(r, 99, ws[3].shape).to(dev)).sum()
+            if s == bad_step and r == 1:
+                loss = loss * float("inf")
+            loss.backward()
+            opt.step()
+            results[f"{tag}/skipped{s}"] = torch.tensor(opt.step_skipped, device="cpu")
+        return [w.detach().cpu() for w in ws]
+
+    def defaults():
+        """push_pull of every codec and a training loop (fusion, dense phase, nan skip)."""
+        for spec, ef in [("none", None), ("fp16", None), ("onebit", "vanilla"),
+                         ("topk:k=0.05", "vanilla"), ("randomk:k=0.05", None),
+                         ("dithering:s=7", None)]:
+            for step in range(2):
+                x = make(r, step).to(dev)
+                y = gp.push_pull(x, f"d/{spec}", compression=spec, ef=ef, min_compress_bytes=0)
+                assert y.device == dev and bool(torch.isfinite(y).all()), spec
+                if spec == "none":
+                    ref = sum(make(w, step) for w in range(W)) / W
+                    assert torch.equal(y.cpu(), ref), step
+                results[f"d/{spec}/{step}"] = y.cpu()
+        for i, w in enumerate(train("t", 4, bad_step=2, compression="onebit", nan_policy="skip",
+                                    dense_steps=2)):
+            results[f"t/w{i}"] = w
+        assert bool(results["t/skipped2"]) and not bool(results["t/skipped3"])
+
+    def fusion():
+        """Backward inside torch.cuda.stream(side), behind a sleep; step() outside it."""
+        side = torch.cuda.Stream(dev)
+        params = model("f")
+        opt = gp.DistributedOptimizer(torch.optim.SGD(params.values(), lr=1.0), params.items(),
+                                      compression="onebit", min_compress_bytes=1 << 20)
+        ws = list(params.values())
+        for s in range(2):
+            opt.zero_grad()
+            xs = [make(r, 7 * s + i, w.shape).to(dev) for i, w in enumerate(ws)]
+            torch.cuda.synchronize()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(SLEEP_CYCLES)  # the members' copies queue behind this
+                sum((w * x).sum() for i, (w, x) in enumerate(zip(ws, xs)) if i != 2).backward()
+            opt.synchronize()  # on the default stream: w2's zeros complete the fused key
+            torch.cuda.synchronize()
+            for i, w in enumerate(ws):
+                want = torch.zeros(w.shape) if i == 2 else \\
+                    sum(make(q, 7 * s + i, w.shape) for q in range(W)) / W
+                assert torch.equal(w.grad.cpu(), want), (s, i, w.grad[:4], want[:4])
+                results[f"f/{s}/{i}"] = w.grad.cpu()
+            with opt.skip_synchronize():
+                opt.step()
+
+    def dense_syncs():
+        """Host synchronisations of one dense-phase step with uncompressed_params="auto"."""
+        params = model("s")
+        opt = gp.DistributedOptimizer(torch.optim.SGD(params.values(), lr=0.1), params.items(),
+                                      compression="onebit", dense_steps=4,
+                                      uncompressed_params="auto")
+        ws = list(params.values())
+        xs = [make(r, i, w.shape).to(dev) for i, w in enumerate(ws)]
+        found = {}
+        for s in range(3):
+            opt.zero_grad()
+            loss = sum((w * x).sum() for w, x in zip(ws, xs))
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    loss.backward()
+                    opt.step()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            found[s] = [str(w.message) for w in warned if "synchroniz" in str(w.message)]
+        chunks = sum(len(p.chunks) for p in _rt().worker.plans().values())
+        with open(os.path.join(out_dir, f"syncs{r}.json"), "w") as f:
+            json.dump({"mode": MODE, "chunks": chunks, "syncs": found}, f)
+        allowed = 0 if MODE == "host" else chunks  # host: none; device: one per chunk, out
+        assert len(found[2]) <= allowed, (MODE, chunks, found[2][:3])
+        results["params"] = ws[3].detach().cpu()
+
+    {"meta": defaults, "default_cuda": defaults, "fusion": fusion,
+     "dense_syncs": dense_syncs}[part]()
+    torch.save(results, os.path.join(out_dir, f"worker{r}.pt"))
+    gp.shutdown()
+''').replace("SLEEP_CYCLES", str(SLEEP))
+
+
+def _job(tmp_path: Path, part: str, mode: str = "host") -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    finish([launch_script(["--workers", "2", "--servers", "1"], script, tmp_path, part,
+                          GRADPRESS_COMPRESS_ON=mode)])
+    check_replicas(tmp_path, 2)
+
+
+# -- torch.set_default_device -------------------------------------------------------------------
+@pytest.mark.cluster
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_ps_path_under_a_meta_default_device(tmp_path: Path, mode: str) -> None:
+    _job(tmp_path, "meta", mode)
+
+
+@pytest.mark.cluster
+@needs_cuda
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_cuda_ps_path_under_a_cuda_default_device(tmp_path: Path, mode: str) -> None:
+    _job(tmp_path, "default_cuda", mode)
+
+
+class Bucket:
+    """Duck-typed dist.GradBucket: one bucket that is the last of its iteration."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf, self.param = buf, torch.zeros_like(buf)
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def is_last(self) -> bool:
+        return True
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.param]
+
+
+def hook_under_default(device: torch.device, default: str, defer: bool, tmp_path: Path,
+                       backend: str) -> None:
+    """Every codec through the hook, both policies' paths (an inf bucket under "skip")."""
+    dist.init_process_group(backend, init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    torch.set_default_device(default)
+    try:
+        for spec in ["onebit", "topk:k=0.1", "randomk:k=0.1", "dithering:s=7", "fp16"]:
+            ef = "sparse" if spec.startswith("randomk") else "vanilla"
+            state = TwoWayCompressionState(spec, ef, min_compress_bytes=0, nan_policy="skip")
+            state._defer = defer
+            bucket = Bucket(torch.randn(1000, device=device))
+            for it in range(3):
+                bucket.buf.normal_()
+                if it == 1:
+                    bucket.buf[3] = float("inf")
+                out = two_way_compression_hook(state, bucket).wait()
+                assert out.device == device and bool(torch.isinf(out).all()) == (it == 1), spec
+            state.check_pending()
+            assert state.compression_stats()["skipped_buckets"] == 1, spec
+    finally:
+        torch.set_default_device(None)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_ddp_hook_under_a_meta_default_device(tmp_path: Path, defer: bool) -> None:
+    hook_under_default(torch.device("cpu"), "meta", defer, tmp_path, "gloo")
+
+
+@needs_cuda
+@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "deferred"])
+def test_cuda_ddp_hook_under_a_cuda_default_device(tmp_path: Path, defer: bool) -> None:
+    torch.cuda.set_device(0)
+    hook_under_default(torch.device("cuda", 0), "cuda", defer, tmp_path, "nccl")
+
+
+# -- decode_chunk's error path ------------------------------------------------------------------
+@needs_cuda
+def test_cuda_decode_chunk_records_out_on_the_copy_stream_when_it_rejects():
+    """A device-mode reply with an inf: decode_reply queues the decode on the copy stream (held
+    back by a sleep), then rejects the payload from its bytes. ``out`` dropped at once must not
+    be handed out again before the copy stream wrote it: a tensor allocated right after keeps
+    the value it was filled with."""
+    from gradpress.ps.calls import ChunkJob, ChunkState, PinnedKeeper, decode_chunk
+    from gradpress.ps.errors import PayloadError
+    n, dev = 1 << 20, torch.device("cuda", 0)
+    dec = build("none", n, backend="torch")
+    bad = torch.ones(n)
+    bad[5] = float("inf")
+    payload = build("none", n, nan_policy="allow").compress(bad, key=0, step=0)
+
+    class Desc:
+        label = "test"
+
+    chunk = ChunkState(0, Desc(), 0, "server 0", dec, dec, dec.payload_bytes)  # type: ignore
+    stream = torch.cuda.Stream(dev)
+    out = torch.empty(n, device=dev)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP)
+    job = ChunkJob(chunk, out, out, None, None, stream)  # type: ignore[arg-type]
+    job.recv = payload
+    with pytest.raises(PayloadError, match="non-finite"):
+        decode_chunk(job, True, PinnedKeeper())
+    del job, out
+    gc.collect()
+    fresh = torch.full((n,), 7.0, device=dev)  # the same size, on the default stream
+    torch.cuda.synchronize()
+    assert bool((fresh == 7.0).all()), "the copy stream wrote into a reused block"
+
+
+# -- Handle.wait on two streams -----------------------------------------------------------------
+@needs_cuda
+def test_cuda_second_wait_on_another_stream_waits_for_the_first_conversion():
+    """An fp16 result: the first wait, on s1 behind a sleep, queues the conversion there; the
+    second, on s2, must not read the converted tensor before that conversion ran."""
+    from gradpress.ps.calls import Handle
+    n, dev = 1 << 20, torch.device("cuda", 0)
+    copy, s1, s2 = (torch.cuda.Stream(dev) for _ in range(3))
+    out = torch.empty(n, device=dev)
+    with torch.cuda.stream(copy):
+        out.fill_(3.0)
+        done = copy.record_event()
+    h = Handle("t", out, torch.Size([n]), torch.float16, dev, 1)
+    h._chunk_done(done)
+    with torch.cuda.stream(s1):
+        torch.full((n,), float("nan"), device=dev, dtype=torch.float16)  # freed: reused below
+        torch.cuda._sleep(SLEEP)
+        first = h.wait()
+    with torch.cuda.stream(s2):
+        second = h.wait()
+        seen = second.clone()
+    torch.cuda.synchronize()
+    assert second is first and bool((first == 3.0).all())
+    assert bool((seen == 3.0).all()), "the second waiter read before the conversion ran"
+
+
+# -- fusion across streams ----------------------------------------------------------------------
+@pytest.mark.cluster
+@needs_cuda
+def test_cuda_fusion_waits_for_members_copied_on_a_side_stream(tmp_path: Path) -> None:
+    _job(tmp_path, "fusion")
+
+
+# -- the dense phase of uncompressed_params="auto" ------------------------------------------------
+def test_agreement_meter_reads_nothing_on_the_host_while_measuring():
+    """On "meta" tensors any host read raises: step 1 of the meter makes none."""
+    from gradpress.torch.agreement import AgreementMeter
+    m = AgreementMeter(["a", "b"])
+    for _ in range(3):
+        for name in ("a", "b"):
+            m.add_local(name, torch.ones(1000, device="meta"))
+            m.add_average(name, torch.ones(1000, device="meta", dtype=torch.bfloat16))
+        m.end_step()
+    assert m.steps == 3 and m._sums["a"].device.type == "meta"
+
+
+def test_agreement_meter_on_the_cpu_decides_as_before():
+    """The device sums give the float64 ratio of the host computation (to float32 rounding)."""
+    from gradpress.torch.agreement import AgreementMeter
+    m = AgreementMeter(["a"])
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    avg = 0.5 * g + 0.1
+    for _ in range(2):
+        m.add_local("a", g)
+        m.add_average("a", avg)
+        m.end_step()
+    want = 2 * float(avg.double().pow(2).sum() / g.double().pow(2).sum())
+    assert m.state_dict()["sums"]["a"] == pytest.approx(want, rel=1e-6)
+    assert m.decide(lambda v: v * 2, 2).values["a"] == pytest.approx(2 * want / 2 - 1, rel=1e-5)
+
+
+@pytest.mark.cluster
+@needs_cuda
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_cuda_dense_phase_step_adds_no_synchronisation(tmp_path: Path, mode: str) -> None:
+    _job(tmp_path, "dense_syncs", mode)
