@@ -258,6 +258,10 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     return _spawn(request.param, tmp_path_factory.mktemp(f"fsdp{request.param}"), 150)
 
 
+#: for the checks made at world 2 only (the same run as the world-2 case of ``ranks``)
+WORLD2 = pytest.mark.parametrize("ranks", [2], indirect=True, ids=["world2"])
+
+
 @pytest.mark.cluster
 def test_ranks_import_this_worktree(ranks):
     want = os.path.dirname(gradpress.fsdp.__file__)
@@ -297,9 +301,8 @@ def test_owner_output_is_the_rank_order_reduction(ranks, spec):
 
 
 @pytest.mark.cluster
+@WORLD2
 def test_premul_sum_multiplies_the_sum(ranks):
-    if len(ranks) != 2:
-        pytest.skip("checked at world 2")
     op = ("direct", "onebit", "premul")
     assert reduce_factor(dist._make_nccl_premul_sum(0.25), 2) == ("mul", 0.25)
     for owner, res in enumerate(ranks):
@@ -364,15 +367,16 @@ def test_nan_input_fails_every_rank_naming_the_sender(ranks):
     for rank, res in enumerate(ranks):
         kind, msg = res["nan"]
         if rank == 1:
-            assert kind == "ValueError" and "non-finite" in msg, res["nan"]
+            # a ValueError (the codecs' subclass lets the DDP pipeline tell it apart)
+            assert kind in ("ValueError", "_NonFiniteInputError") and "non-finite" in msg, \
+                res["nan"]
         else:
             assert kind == "PayloadError" and "rank 1" in msg, res["nan"]
 
 
 @pytest.mark.cluster
+@WORLD2
 def test_dense_steps_and_async_op(ranks):
-    if len(ranks) != 2:
-        pytest.skip("checked at world 2")
     for res in ranks:  # 4 modules with parameters (the root has none), 3 steps, 2 of them dense
         assert res["routing"]["plain_calls"] == 8 and res["routing"]["compressed_calls"] == 4, \
             res["routing"]
@@ -380,9 +384,8 @@ def test_dense_steps_and_async_op(ranks):
 
 
 @pytest.mark.cluster
+@WORLD2
 def test_layerwise_optimizer_refused_on_shards(ranks):
-    if len(ranks) != 2:
-        pytest.skip("checked at world 2")
     for res in ranks:
         assert "trust ratio" in res["lamb"], res["lamb"]
 
