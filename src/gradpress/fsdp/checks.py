@@ -63,7 +63,7 @@ class ReduceCheck(DeviceCheck):
 
 def _expected(codecs: ModuleCodecs, head: Header) -> torch.Tensor:
     """The header bytes of ``head`` on the receive buffer's device (no blocking copy)."""
-    raw = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+    raw = torch.empty(HEADER_BYTES, dtype=torch.uint8, device="cpu")  # whatever the default
     pack_header(raw, head)
     dev = codecs.recv.device
     return raw if dev.type == "cpu" else raw.pin_memory().to(dev, non_blocking=True)
