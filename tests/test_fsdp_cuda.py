@@ -19,7 +19,8 @@ step: compress, ``all_to_all_single``, the owner's device-side checks and decode
   backward pass's first call raises the PayloadError naming the sender (or ``check_pending``).
 
 The GPU tests are written from PyTorch's sources and have not run on a GPU yet. The CPU twins
-run the chain comparison and the corrupted payload with the deferred checks forced on.
+run the chain comparison and the corrupted payload with the deferred checks forced on, and the
+chain with ``"meta"`` as the default device (every host buffer is made on the CPU explicitly).
 """
 
 import contextlib
@@ -94,7 +95,7 @@ def chain_matches(device: torch.device, dtype: torch.dtype, op_name: str, defer:
     worker, decoder = build(SPEC, n, ef="vanilla"), build(SPEC, n)
     gen = torch.Generator().manual_seed(0)
     for t in range(steps):
-        g = torch.randn(n, generator=gen).to(device, dtype)
+        g = torch.randn(n, generator=gen, device="cpu").to(device, dtype)
         out = call(g, make_op(op_name))
         call.sync()
         acc = torch.zeros(n, device=device)
@@ -111,6 +112,17 @@ def chain_matches(device: torch.device, dtype: torch.dtype, op_name: str, defer:
 def test_world_of_one_gloo_cpu_deferred_matches_codec_chain(tmp_path, dtype, op_name):
     with world_of_one("gloo", tmp_path):
         chain_matches(torch.device("cpu"), dtype, op_name, True, 1000)
+
+
+def test_world_of_one_gloo_cpu_deferred_makes_no_buffer_on_the_default_device(tmp_path):
+    """A user's ``torch.set_default_device("cuda")`` must not move a host buffer: with "meta"
+    (unreadable on the host) as the default, the deferred path still gives the chain's bits."""
+    with world_of_one("gloo", tmp_path):
+        torch.set_default_device("meta")
+        try:
+            chain_matches(torch.device("cpu"), torch.float32, "avg", True, 1000)
+        finally:
+            torch.set_default_device(None)
 
 
 @needs_cuda
