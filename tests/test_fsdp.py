@@ -11,6 +11,7 @@ the tests below check them:
 * Direct calls of the comm: every owner's output is the rank-order sum of the decoded payloads
   (AVG / SUM / PREMUL_SUM) bit for bit, and every (rank, shard) residual satisfies the
   error-feedback identity (as tests/test_ef.py checks it, in float64).
+* the device-side checks (CUDA's deferred checks, forced on) give the immediate checks' bits.
 * onebit trains (loss falls), resumes bit-exactly from a checkpoint (DCP for the model and
   optimizer, ``state.save``/``load`` for the residuals), refuses residuals of another world
   size; a NaN input fails every rank (naming the sender) instead of hanging the others; a
@@ -193,6 +194,20 @@ def scenario_routing(rank: int, res: dict) -> None:
     res["async"] = out
 
 
+def scenario_deferred(rank: int, res: dict) -> None:
+    """The device-side checks (CUDA's, forced on here) give the immediate checks' bits."""
+    def run(defer: bool | None) -> list[torch.Tensor]:
+        m = make_model()
+        st = gradpress.fsdp.compress(m, "onebit", "vanilla", min_compress_bytes=0)
+        st._defer = defer
+        run_steps(m, torch.optim.SGD(m.parameters(), lr=0.05), rank, range(STEPS))
+        res.setdefault("deferred_pending", []).append(len(st._checks))
+        st.check_pending()
+        return full(m)
+
+    res["deferred"] = same(run(None), run(True))
+
+
 def scenario_optimizer(res: dict) -> None:
     from gradpress.optim import LAMB
     m = make_model()
@@ -222,6 +237,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         scenario_optimizer(res)
         scenario_routing(rank, res)
     scenario_gloo(rank, world, res)
+    scenario_deferred(rank, res)
     for spec in (None, "onebit"):
         res[f"losses_{spec}"] = train(rank, spec, steps=40, raf=False, lr=0.3)[1]
     scenario_resume(rank, res, os.path.join(out_dir, "ckpt"))
@@ -342,6 +358,14 @@ def test_none_rank_order_vs_gloo(ranks):
             assert torch.equal(ours, res["gloo_avg"])
         else:
             torch.testing.assert_close(ours, res["gloo_avg"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.cluster
+def test_deferred_checks_match_the_immediate_ones(ranks):
+    for rank, res in enumerate(ranks):
+        assert res["deferred"][0], f"rank {rank}: max |diff| {res['deferred'][1]}"
+        # immediate: none pending; deferred: the last backward pass's 4 modules still are
+        assert res["deferred_pending"] == [0, 4], res["deferred_pending"]
 
 
 @pytest.mark.cluster

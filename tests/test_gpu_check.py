@@ -87,6 +87,7 @@ def test_gpu_test_files(tmp_path: Path) -> None:
     real = gc.cuda_test_files(gc.ROOT / "tests")
     assert "tests/test_push_pull_device.py" in real and "tests/test_gpu_check.py" not in real
     assert {"tests/test_ddp_amp.py", "tests/test_streams.py"} <= set(real)  # issue 43's
+    assert "tests/test_fsdp_cuda.py" in real  # issue 41's: gradpress.fsdp on NCCL
 
 
 @pytest.mark.cluster

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..compress.header import HEADER_BYTES, Header, pack_header
 from ..ps.errors import PayloadError
 from ..ps.protocol import add_push, check_sum, is_finite
+from .checks import PendingReduce, ReduceCheck, reduce_own_deferred
 
 if TYPE_CHECKING:
     from .state import FSDPCompressionState, ModuleCodecs
@@ -109,6 +110,12 @@ class CompressedReduceScatter(_Base):
            result is finite (else names the first sender that makes it so) and writes it to
            ``output_tensor`` (cast to its dtype, e.g. bf16).
 
+        On CUDA (step 0) the device-side checks of the calls of earlier backward passes are
+        read first, and steps 4-5 run without a host read (:mod:`gradpress.fsdp.checks`): a
+        failed payload zeroes the output, and its PayloadError is raised one backward pass
+        later (or by ``state.check_pending()``). Everything runs on the current stream (FSDP2's
+        reduce-scatter stream); NCCL's collective is ordered on it without a host wait.
+
         Modules below ``state.min_compress_bytes`` and the first ``state.dense_steps`` calls use
         ``dist.reduce_scatter_single`` with ``op`` (FSDP2's own collective). Runs synchronously
         (FSDP2 calls it with ``async_op=False``); with ``async_op=True`` it returns a completed
@@ -129,13 +136,21 @@ class CompressedReduceScatter(_Base):
             return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
                                               async_op=async_op)
         codecs = st.codecs_for(self.name, numel, world, rank, input_tensor.device)
-        step, codecs.step = codecs.step, codecs.step + 1
+        step = codecs.step
+        st.resolve_checks(step)  # 0. the device-side checks of earlier backward passes
+        codecs.step = step + 1
         flat = input_tensor.reshape(-1)
         rejected = self._compress_shards(codecs, flat, step)
         dist.all_to_all_single(codecs.recv, codecs.send, group=group)  # 3.
         if rejected is not None:
             raise rejected
-        self._reduce_own(codecs, step, factor, output_tensor)
+        deferred = st._defer if st._defer is not None else input_tensor.device.type == "cuda"
+        ok = reduce_own_deferred(codecs, self.key(rank, world), step, factor, output_tensor) \
+            if deferred else None
+        if ok is None:
+            self._reduce_own(codecs, step, factor, output_tensor)
+        else:
+            st._checks.append(ReduceCheck(PendingReduce(self, codecs, step, factor), ok))
         st._stats["compressed_calls"] += 1
         st._stats["payload_bytes"] += (world - 1) * codecs.slot
         st._stats["dense_bytes"] += (world - 1) * codecs.shard * 4

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from ..compress import Codec, CodecSpec, EFSpec, build, parse_ef, parse_spec
 from ..compress.registry import pick_ef
 from ..compress.spec import Compression
 from ..ps.codec_state import atomic_save
+from .checks import ReduceCheck, raise_failed
 
 __all__ = ["FSDPCompressionState", "ModuleCodecs"]
 
@@ -52,6 +54,7 @@ class ModuleCodecs:
         self.send = torch.zeros(world * self.slot, **u8)
         self.recv = torch.zeros(world * self.slot, **u8)
         self.acc = torch.zeros(self.shard, dtype=torch.float32, device=device)
+        self.checked: torch.Tensor | None = None  # the deferred checks' header mask
         self.step = 0
 
     def payload(self, buf: torch.Tensor, i: int) -> torch.Tensor:
@@ -125,6 +128,9 @@ class FSDPCompressionState:
         self._placement: tuple[int, int] | None = None  # (world, rank) of the exchanges
         self._stats = dict.fromkeys(("compressed_calls", "plain_calls", "dense_bytes",
                                      "payload_bytes", "plain_bytes"), 0)
+        # deferred (device-side) checks: on for CUDA buffers when None; tests force them
+        self._defer: bool | None = None
+        self._checks: deque[ReduceCheck] = deque()
 
     compression = property(lambda self: self._compression, doc="the codec, a CodecSpec")
     ef = property(lambda self: self._ef, doc="the workers' error feedback, an EFSpec")
@@ -159,6 +165,24 @@ class FSDPCompressionState:
         fp32 would have sent there (``dense_bytes``: a ring reduce-scatter's (world-1)/world of
         the buffer), and the fp32 bytes of the plain calls, counted the same way."""
         return dict(self._stats)
+
+    def check_pending(self) -> None:
+        """Wait for the device-side checks of the reduce-scatters made so far (CUDA; see
+        :mod:`gradpress.fsdp.checks`) and raise the :class:`~gradpress.ps.errors.PayloadError`
+        of one that failed. They are read one backward pass late by the reduce-scatters
+        themselves; call this after the last backward pass to see an error of the last one
+        (:meth:`state_dict` calls it)."""
+        self.resolve_checks(None)
+
+    def resolve_checks(self, before_step: int | None) -> None:
+        """Read the flags of the deferred checks of steps before ``before_step`` (all of them
+        with None), in call order; a failed one raises its PayloadError (the others are
+        dropped: the residuals are not to be trusted after it)."""
+        while self._checks and (before_step is None or self._checks[0].job.step < before_step):
+            check = self._checks.popleft()
+            if not check.passed():
+                self._checks.clear()
+                raise_failed(check.job)
 
     def uses_compression(self, name: str, numel: int) -> bool:
         """Whether module ``name``'s reduce-scatter of ``numel`` elements is compressed now;
@@ -208,7 +232,9 @@ class FSDPCompressionState:
     def state_dict(self) -> dict[str, Any]:
         """Residuals and step counters (per module), the uncompressed calls made so far of
         ``dense_steps``, and the world size and rank of the reduce-scatter group (None before
-        the first call) of this rank (CPU tensors)."""
+        the first call) of this rank (CPU tensors). Reads the pending device-side checks
+        first (:meth:`check_pending`)."""
+        self.check_pending()
         world, rank = self._placement if self._placement is not None else (None, None)
         modules = {n: dict(s) for n, s in self._loaded.items()}
         modules.update({n: c.state_dict() for n, c in self.modules.items()})
