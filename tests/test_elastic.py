@@ -2,19 +2,25 @@
 examples/torchrun_elastic.py with c10d rendezvous on 127.0.0.1; a worker SIGKILLed in the first
 attempt, the group restarted by the agent, resumed from the newest checkpoint and bit-identical to
 a run that was not killed; two agents of ``--nnodes 1:2``, one killed with its worker (a node
-lost), the other going on alone; a checkpoint resumed by fewer and by more workers (the resize
+lost), the other going on alone; the same on two hosts (network namespaces joined by veth
+pairs, gradpress.train.netem): every process of one host SIGKILLed from outside, and at a fixed
+size only a host's worker, bit-identical; a checkpoint resumed by fewer and by more workers (the resize
 rule of gradpress.elastic), and refused under ``resize="refuse"``; ``gradpress train`` script
 mode with checkpoints and ``--max-restarts``. Also the rule itself on state dicts
 and the attempt that scopes the store keys."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +29,7 @@ import torch
 from gradpress.elastic import ResizeEvent, check_rule, fold_states, reset_state
 from gradpress.ps.cluster import store_prefix
 from gradpress.ps.config import ClusterConfig
+from gradpress.train import netem
 from helpers import ROOT, free_port, results, run_env
 
 SCRIPT = ROOT / "examples" / "torchrun_elastic.py"
@@ -140,6 +147,103 @@ def test_refuse_names_both_layouts(tmp_path: Path,
                    expect=1)
     assert "saved by a job with 2 workers and 2 servers, this job has 1 workers and 1 " \
            "servers" in text, text[-3000:]
+
+
+# -- two hosts: network namespaces joined by veth pairs ------------------------------------
+RDZV_CONF = "last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[netem.EmulatedCluster]:
+    """Two network namespaces ("nodes") joined by veth pairs to a bridge (no rate limit)."""
+    try:
+        netem.check_environment()
+    except netem.NetemError as e:  # not a skip: the test needs what the sandbox must have
+        pytest.fail(f"two emulated hosts need root and `ip netns` (gradpress.train.netem): {e}")
+    with netem.emulated_cluster(2, None) as cl:
+        yield cl
+
+
+def host_agents(cl: netem.EmulatedCluster, tmp: Path, nnodes: str,
+                env1: dict[str, str]) -> list[subprocess.Popen]:
+    """One torchrun agent per host (one worker each), the c10d rendezvous on host 0's address;
+    host 1's agent gets ``env1`` too. Their output goes to ``tmp/agent<i>.log``."""
+    procs = []
+    for i, (host, addr) in enumerate(zip(cl.hosts, cl.addresses)):
+        cmd = host.cmd([
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
+            "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{cl.addresses[0]}:29400", "--local-addr", addr,
+            "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if i == 0 else 'false'}",
+            "--monitor-interval", "0.5", str(SCRIPT), "--steps", str(STEPS), "--ckpt",
+            str(tmp / "ckpt"), "--out", str(tmp / "out")])
+        env = run_env(GRADPRESS_TIMEOUT="30", GLOO_SOCKET_IFNAME=cl.device,
+                      **(env1 if i == 1 else {}))
+        with open(tmp / f"agent{i}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], tmp: Path, timeout: float = 120) -> list[str]:
+    """Wait for every agent (killing what is left after ``timeout`` s); their logs."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"an agent was still running after {timeout} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(tmp / f"agent{i}.log").read_text() for i in range(len(procs))]
+
+
+@pytest.mark.cluster
+def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(tmp_path: Path) -> None:
+    # --nnodes 1:2: host 1's worker waits before step 25; then every process of host 1 (its
+    # agent included) is SIGKILLed; host 0's agent restarts alone and folds the 2-worker
+    # step-20 checkpoint into 1 worker
+    with two_hosts() as cl:
+        procs = host_agents(cl, tmp_path, "1:2", {"GP_HOLD_AT": "25"})
+        held = tmp_path / "out" / "held-rank1"
+        deadline = time.monotonic() + 90
+        while not held.exists():
+            assert all(p.poll() is None for p in procs), f"an agent exited before {held} was " \
+                f"written: {[p.poll() for p in procs]}"
+            assert time.monotonic() < deadline, f"no {held} after 90 s"
+            time.sleep(0.05)
+        host1 = subprocess.run(["ip", "netns", "pids", cl.hosts[1].name], capture_output=True,
+                               text=True, check=True).stdout.split()
+        assert str(procs[1].pid) in host1 and len(host1) >= 2, host1  # the agent, its worker
+        for pid in host1:
+            os.kill(int(pid), signal.SIGKILL)
+        logs = finish(procs, tmp_path)
+    assert procs[1].returncode == -signal.SIGKILL, logs[1][-3000:]
+    assert procs[0].returncode == 0, logs[0][-6000:]
+    assert "worker 1 + server 1 (rank 1) is gone" in logs[0], logs[0][-3000:]
+    assert "this job has 1 workers and 1 servers: resize rule 'fold'" in logs[0], logs[0][-3000:]
+    (one,) = results(tmp_path / "out", 1)
+    assert (one["start"], one["size"], one["attempt"]) == (20, 1, 1)
+    assert one["resized"] == {"checkpoint": str((tmp_path / "ckpt" / "step-20").resolve()),
+                              "step": 20, "saved_workers": 2, "saved_servers": 2,
+                              "workers": 1, "servers": 1, "rule": "fold"}
+
+
+@pytest.mark.cluster
+def test_hosts_workers_of_a_node_lost_fixed_size_bit_identical(
+        tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
+    # --nnodes 2: host 1's worker SIGKILLs itself before step 25 (its agent lives); both agents
+    # restart the group (the rendezvous is full, so host 1's agent waits as a redundant node and
+    # host 0's counts its own worker's failure: both in attempt 1), which resumes from step 20
+    with two_hosts() as cl:
+        logs = finish(host_agents(cl, tmp_path, "2", {"GP_KILL_AT": "25"}), tmp_path)
+    assert "worker 1: SIGKILL before step 25" in logs[1], logs[1][-3000:]
+    runs = results(tmp_path / "out", 2)
+    assert [(r["start"], r["attempt"]) for r in runs] == [(20, 1), (20, 1)], logs[0][-3000:]
+    want = uninterrupted[1][0]["param_hash"]
+    assert [r["param_hash"] for r in runs] == [want, want]
 
 
 # -- the rule on state dicts, the attempt ----------------------------------------------------
