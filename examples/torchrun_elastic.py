@@ -12,11 +12,12 @@ the saved workers' residuals, :mod:`gradpress.elastic`). The lr schedule is a fu
 step; the data position is the number of samples drawn, so a job with fewer workers goes on
 where the larger one stopped. The task is examples/torchrun_train.py's (an MLP on a fixed random
 teacher's labels). With ``--out DIR`` every worker writes ``DIR/rank<r>.json``: its losses
-since the start of this attempt, the held-out loss, a hash of its parameters and what a resized
-load did. ``GP_KILL_AT=STEP`` (with ``GP_KILL_RANK``, default 1) makes that worker SIGKILL itself
-before that step in torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT=0``): the
-failure the tests inject; with ``GP_KILL_AGENT=1`` it SIGKILLs its torchrun agent first (a node
-lost). ``GP_HOLD_AT=STEP`` instead makes it write ``OUT/held-rank<r>`` and wait there to be
+since the start of this attempt, the held-out loss, a hash of its parameters, what a resized
+load did and torchrun's restart count (``attempt``). ``GP_KILL_AT=STEP`` (with
+``GP_KILL_RANK``, default 1) makes that worker SIGKILL itself before that step in torchrun's
+first attempt only (``TORCHELASTIC_RESTART_COUNT=0``): the failure the tests inject; with
+``GP_KILL_AGENT=1`` it SIGKILLs its torchrun agent first (a node lost). ``GP_HOLD_AT=STEP``
+instead makes it write ``OUT/held-rank<r>`` and wait there to be
 killed from outside (the tests kill every process of its "node").
 """
 

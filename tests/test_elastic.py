@@ -4,8 +4,7 @@ attempt, the group restarted by the agent, resumed from the newest checkpoint an
 a run that was not killed; two agents of ``--nnodes 1:2``, one killed with its worker (a node
 lost), the other going on alone. The same on two hosts (network namespaces joined by veth pairs,
 gradpress.train.netem): every process of one host SIGKILLed from outside, the other completing
-under the fold rule; at a fixed size a host's worker lost, or the whole host lost and replaced
-by a new agent (restart counts that differ, met by the roll call), bit-identical. A checkpoint
+under the fold rule; at a fixed size a host's worker lost, bit-identical. A checkpoint
 resumed by fewer and by more workers (the resize rule of gradpress.elastic), and refused under
 ``resize="refuse"``; ``gradpress train`` script mode with checkpoints and ``--max-restarts``.
 Also the rule itself on state dicts, the attempt that scopes the store keys and the roll call."""
@@ -238,25 +237,6 @@ def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(tmp_path:
     assert one["resized"] == {"checkpoint": str((tmp_path / "ckpt" / "step-20").resolve()),
                               "step": 20, "saved_workers": 2, "saved_servers": 2,
                               "workers": 1, "servers": 1, "rule": "fold"}
-
-
-@pytest.mark.cluster
-def test_hosts_node_replaced_fixed_size_bit_identical(
-        tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
-    # --nnodes 2: every process of host 1 SIGKILLed before step 25, a new agent started there
-    # (a replacement node): host 0's agent counts restart 1, the new one 0; the roll call gives
-    # both workers one attempt, and the group resumes from step 20 on the uninterrupted bits
-    with two_hosts() as cl:
-        procs = [host_agent(cl, i, tmp_path, "2", f"agent{i}.log",
-                            **({"GP_HOLD_AT": "25"} if i else {})) for i in (0, 1)]
-        lose_host_1(cl, procs, tmp_path)
-        procs.append(host_agent(cl, 1, tmp_path, "2", "agent1-new.log"))
-        logs = finish(procs, tmp_path)
-    assert [p.returncode for p in procs] == [0, -signal.SIGKILL, 0], logs[0][-3000:]
-    runs = results(tmp_path / "out", 2)
-    assert [(r["start"], r["attempt"]) for r in runs] == [(20, 1), (20, 0)], logs[0][-3000:]
-    want = uninterrupted[1][0]["param_hash"]
-    assert [r["param_hash"] for r in runs] == [want, want]
 
 
 @pytest.mark.cluster
