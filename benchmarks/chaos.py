@@ -2,14 +2,18 @@
 
 Steps:
 
-1. an uninterrupted reference run (digits-cnn, onebit with error feedback, 2 workers, 1 server,
-   a checkpoint every ``--every`` steps) gives ``params_sha256`` and its wall time;
+1. an uninterrupted reference run (digits-cnn, onebit with error feedback, 2 workers,
+   ``--servers`` servers, a checkpoint every ``--every`` steps) gives ``params_sha256`` and its
+   wall time;
 2. the same run under ``--max-restarts N`` (``GRADPRESS_TIMEOUT`` short, so a stopped process is
-   noticed): ``--failures`` times, at a random step past the next checkpoint, a random worker or
-   the server is sent SIGKILL or SIGSTOP (kinds drawn without replacement from
-   ``--failures`` copies of each); with ``--during-write`` the first failure is a SIGKILL of worker
-   1 while a checkpoint is being written (its directory exists, its ``meta.json`` not yet);
-   the next failure waits for the restarted job's first record;
+   noticed): ``--failures`` times, at a random step past the next checkpoint, one failure of the
+   ``--kinds`` drawn without replacement from ``--failures`` copies of each: a random worker or
+   server sent SIGKILL (``worker-kill``, ``server-kill``) or SIGSTOP (``worker-stop``,
+   ``server-stop``), or a node lost (``node-kill``, with ``--servers 2``: every process of a
+   random one of the two emulated nodes, worker n and server n as ``gradpress launch --nnodes
+   2`` would place them, SIGKILLed at once); with ``--during-write`` the first failure is a
+   SIGKILL of worker 1 while a checkpoint is being written (its directory exists, its
+   ``meta.json`` not yet); the next failure waits for the restarted job's first record;
 3. prints, and writes as JSON, each failure (what, when, the seconds from the failure to the
    restarted job's first record), the seconds lost per failure (wall time over the reference's,
    divided by the failures) and whether the final parameters equal the reference's bit for bit.
@@ -18,6 +22,7 @@ Usage::
 
     python benchmarks/chaos.py --steps 120 --every 20 --failures 3 --seed 0 \\
         --out benchmarks/results/chaos
+    python benchmarks/chaos.py --servers 2 --kinds node-kill --failures 3 --seed 0 --out runs/n
 """
 
 from __future__ import annotations
@@ -37,14 +42,17 @@ from pathlib import Path
 from gradpress.train.report import read_metrics
 from gradpress.train.restarts import last_step
 
-KINDS = [("worker", signal.SIGKILL), ("server", signal.SIGKILL), ("worker", signal.SIGSTOP),
-         ("server", signal.SIGSTOP)]
+KINDS = {"worker-kill": ("worker", signal.SIGKILL), "server-kill": ("server", signal.SIGKILL),
+         "worker-stop": ("worker", signal.SIGSTOP), "server-stop": ("server", signal.SIGSTOP),
+         "node-kill": ("node", signal.SIGKILL)}
+WORKERS = 2
 
 
 def _cmd(args: argparse.Namespace, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn",
             "--steps", str(args.steps), "--checkpoint-every", str(args.every),
-            "--compression", "onebit", "--dense-steps", "2", "--servers", "1", "--no-progress",
+            "--compression", "onebit", "--dense-steps", "2", "--servers", str(args.servers),
+            "--no-progress",
             "--no-tensorboard", "--out", str(out), *extra]
 
 
@@ -104,17 +112,21 @@ def _fail_once(args, out, proc, marker, rng, kind) -> dict:
     now = last_step(out / "metrics.jsonl")
     at = min(args.steps - 2, (now // args.every + 1) * args.every + rng.randrange(1, args.every))
     _wait(lambda: last_step(out / "metrics.jsonl") >= at, proc, f"step {at}")
-    role, sig = kind
-    rank = rng.randrange(2) if role == "worker" else None
-    pid = _pid(marker, role, rank)
-    if pid is None:
-        raise RuntimeError(f"no {role} process found")
+    role, sig = KINDS[kind]
+    rank = rng.randrange(WORKERS) if role in ("worker", "node") else None
+    targets: list[tuple[str, int | None]] = [(role, rank)]
+    if role == "node":  # node n: worker n and server n (world rank WORKERS + n)
+        targets = [("worker", rank), ("server", WORKERS + (rank or 0))]
+    pids = [_pid(marker, r, k) for r, k in targets]
+    if None in pids:
+        raise RuntimeError(f"no process found for each of {targets}: {pids}")
     starts = _starts(out)
-    os.kill(pid, sig)
+    for pid in pids:  # a node: its worker and its server, at once
+        os.kill(pid or 0, sig)
     t0, step = time.monotonic(), last_step(out / "metrics.jsonl")
     _wait(lambda: _starts(out) > starts, proc, "the restarted job's first record")
-    return {"role": role, "rank": rank, "signal": signal.Signals(sig).name, "step": step,
-            "recovery_s": round(time.monotonic() - t0, 2)}
+    return {"kind": kind, "role": role, "rank": rank, "signal": signal.Signals(sig).name,
+            "step": step, "recovery_s": round(time.monotonic() - t0, 2)}
 
 
 def main() -> int:
@@ -124,10 +136,16 @@ def main() -> int:
     p.add_argument("--failures", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", default="15", help="GRADPRESS_TIMEOUT of the chaos run")
+    p.add_argument("--servers", type=int, choices=(1, 2), default=1,
+                   help="separate servers (2: two emulated nodes, worker n and server n each)")
+    p.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=list(KINDS)[:4],
+                   help="what the failures are drawn from (default: every kind but node-kill)")
     p.add_argument("--out", type=Path, default=Path("runs/chaos"))
     p.add_argument("--during-write", action="store_true",
                    help="the first failure kills worker 1 while a checkpoint is being written")
     args = p.parse_args()
+    if "node-kill" in args.kinds and args.servers != 2:
+        p.error("--kinds node-kill needs --servers 2 (a node is worker n and server n)")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     shutil.rmtree(args.out, ignore_errors=True)  # the polls must not read an earlier run's files
     t0 = time.monotonic()  # step 1
@@ -142,7 +160,7 @@ def main() -> int:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        kinds = rng.sample(KINDS * args.failures, args.failures)  # random, every kind likely
+        kinds = rng.sample(args.kinds * args.failures, args.failures)  # every kind likely
         kinds = ["write"] + kinds[1:] if args.during_write else kinds
         failures = [_fail_once(args, out, proc, marker, rng, k) for k in kinds]
         stdout, stderr = proc.communicate(timeout=900)
@@ -153,6 +171,7 @@ def main() -> int:
     ref = json.loads((args.out / "reference" / "report.json").read_text())
     rep = json.loads((out / "report.json").read_text()) if proc.returncode == 0 else {}
     result = {"steps": args.steps, "every": args.every, "timeout_s": float(args.timeout),
+              "servers": args.servers, "kinds": args.kinds,
               "failures": failures, "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1),
               "lost_s_per_failure": round((chaos_s - ref_s) / max(1, len(failures)), 1),
               "restarts": rep.get("restarts"), "returncode": proc.returncode,

@@ -12,11 +12,13 @@ the saved workers' residuals, :mod:`gradpress.elastic`). The lr schedule is a fu
 step; the data position is the number of samples drawn, so a job with fewer workers goes on
 where the larger one stopped. The task is examples/torchrun_train.py's (an MLP on a fixed random
 teacher's labels). With ``--out DIR`` every worker writes ``DIR/rank<r>.json``: its losses
-since the start of this attempt, the held-out loss, a hash of its parameters and what a resized
-load did. ``GP_KILL_AT=STEP`` (with ``GP_KILL_RANK``, default 1) makes that worker SIGKILL itself
-before that step in torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT=0``): the
-failure the tests inject; with ``GP_KILL_AGENT=1`` it SIGKILLs its torchrun agent first (a node
-lost).
+since the start of this attempt, the held-out loss, a hash of its parameters, what a resized
+load did and torchrun's restart count (``attempt``). ``GP_KILL_AT=STEP`` (with
+``GP_KILL_RANK``, default 1) makes that worker SIGKILL itself before that step in torchrun's
+first attempt only (``TORCHELASTIC_RESTART_COUNT=0``): the failure the tests inject; with
+``GP_KILL_AGENT=1`` it SIGKILLs its torchrun agent first (a node lost). ``GP_HOLD_AT=STEP``
+instead makes it write ``OUT/held-rank<r>`` and wait there to be
+killed from outside (the tests kill every process of its "node").
 """
 
 from __future__ import annotations
@@ -47,12 +49,19 @@ def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (torch.tanh(x) @ teacher).argmax(dim=1)
 
 
-def maybe_die(step: int) -> None:
-    """SIGKILL this worker before ``step`` if ``GP_KILL_AT`` says so (first attempt only)."""
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+def maybe_die(step: int, out: str | None) -> None:
+    """SIGKILL this worker before ``step`` if ``GP_KILL_AT`` says so, or wait there to be killed
+    if ``GP_HOLD_AT`` does (first attempt only)."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" \
+            or gp.rank() != int(os.environ.get("GP_KILL_RANK", "1")):
         return
-    if step == int(os.environ.get("GP_KILL_AT", "-1")) \
-            and gp.rank() == int(os.environ.get("GP_KILL_RANK", "1")):
+    if out and step == int(os.environ.get("GP_HOLD_AT", "-1")):
+        print(f"worker {gp.rank()}: holding before step {step}", flush=True)
+        os.makedirs(out, exist_ok=True)
+        Path(out, f"held-rank{gp.rank()}").touch()
+        while True:  # until killed
+            signal.pause()
+    if step == int(os.environ.get("GP_KILL_AT", "-1")):
         print(f"worker {gp.rank()}: SIGKILL before step {step}", flush=True)
         if os.environ.get("GP_KILL_AGENT"):  # the whole "node": its torchrun agent too
             os.kill(os.getppid(), signal.SIGKILL)
@@ -92,7 +101,7 @@ def main() -> None:
     x, y = data(args.steps * BATCH * 8, args.seed)  # room for up to 8 workers
     losses = []
     for step in range(start, args.steps):
-        maybe_die(step)
+        maybe_die(step, args.out)
         i = seen + gp.rank() * BATCH
         loss = F.cross_entropy(model(x[i:i + BATCH]), y[i:i + BATCH])
         opt.zero_grad()
@@ -112,6 +121,7 @@ def main() -> None:
         with open(os.path.join(args.out, f"rank{gp.rank()}.json"), "w") as f:
             json.dump({"rank": gp.rank(), "size": gp.size(), "start": start, "losses": losses,
                        "held_out_loss": held_out, "resized": last_resize(),
+                       "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                        "param_hash": params_sha256(model)}, f)
     gp.shutdown()
 

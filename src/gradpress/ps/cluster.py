@@ -18,10 +18,11 @@ two subgroups per node (local reduce, local broadcast), because ``new_group`` is
 the world. Every process checks that it agrees with the others on the job's shape.
 
 Every key gradpress writes to the store, the process group's rendezvous included, lives under
-``gradpress/<attempt>/`` (:attr:`ClusterConfig.attempt`, torchrun's restart count): torchrun's
-elastic agent keeps one store for every restart of the group, and a restarted process must
-never read the descriptors, server state requests, errors or gloo addresses of the processes it
-replaces (docs/integrations.md, "Recovery with torchrun").
+``gradpress/<attempt>/`` (:attr:`ClusterConfig.attempt`; under torchrun's agent store the one a
+roll call gives the group, :mod:`gradpress.ps.rollcall`): torchrun's elastic agent keeps one
+store for every restart of the group, and a restarted process must never read the descriptors,
+server state requests, errors or gloo addresses of the processes it replaces
+(docs/integrations.md, "Recovery with torchrun").
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from .auth import authenticate
 from .config import ClusterConfig
 from .errors import GradpressError
+from .rollcall import roll_call
 
 __all__ = ["Layout", "Cluster", "store_prefix"]
 
@@ -180,13 +182,17 @@ class Cluster:
         self._owns_store = not cfg.store_hosted and cfg.rank == 0
         self._listener: socket.socket | None = None  # the store's socket when this rank hosts
         self.raw_store = self._open_store()
-        #: gradpress's own keys (descriptors, errors, process group) live under this prefix
-        self.prefix = store_prefix(cfg.attempt)
-        self.store = dist.PrefixStore(self.prefix, self.raw_store)
+        self._scope(cfg.attempt)  # a roll call may change it (_join)
         self.worker_group: dist.ProcessGroup | None = None
         #: (local reduce group, local broadcast group) of this worker's node (hierarchical)
         self.local_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self._joined = False
+
+    def _scope(self, attempt: int) -> None:
+        #: gradpress's own keys (descriptors, errors, process group) live under this prefix
+        self.attempt = attempt
+        self.prefix = store_prefix(attempt)
+        self.store = dist.PrefixStore(self.prefix, self.raw_store)
 
     def _open_store(self) -> dist.TCPStore:
         cfg = self.cfg
@@ -219,6 +225,9 @@ class Cluster:
         if dist.is_initialized():
             raise GradpressError("torch.distributed is already initialized in this process; "
                                  "gradpress creates its own process group")
+        if self.cfg.roll_call:  # the agent's store: the restart counts may differ
+            self._scope(roll_call(self.raw_store, self.rank, lay.world_size, self.timeout,
+                                  self.describe))
         authenticate(self.store, rank=self.rank, world_size=lay.world_size,
                      describe=self.describe, secret=self.cfg.secret, timeout=self.timeout)
         self._agree_on_job()

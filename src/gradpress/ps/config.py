@@ -205,7 +205,8 @@ class ClusterConfig:
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``GRADPRESS_ROLE``,
     ``GRADPRESS_NUM_SERVERS``, ``GRADPRESS_COLOCATE``, ``GRADPRESS_NNODES``,
     ``GRADPRESS_STORE_HOSTED``, ``GRADPRESS_SECRET``, and the attempt: ``GRADPRESS_ATTEMPT``,
-    else torchrun's ``TORCHELASTIC_RESTART_COUNT``. Without any of them it describes a single
+    else torchrun's ``TORCHELASTIC_RESTART_COUNT`` (under torchrun's agent store: a roll call).
+    Without any of them it describes a single
     colocated process.
     """
 
@@ -239,6 +240,10 @@ class ClusterConfig:
     #: or ``GRADPRESS_ATTEMPT``. Every store key of gradpress is scoped to it, so a restarted
     #: group never reads what an earlier attempt left in a store that outlived it.
     attempt: int = 0
+    #: Whether the processes agree on the attempt by a roll call instead
+    #: (:mod:`gradpress.ps.rollcall`): under torchrun's agent store without
+    #: ``GRADPRESS_ATTEMPT``, where restart counts differ between nodes after a membership change.
+    roll_call: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -297,5 +302,7 @@ class ClusterConfig:
         vals["secret"] = env.get("GRADPRESS_SECRET") or None
         vals["attempt"] = int(env.get("GRADPRESS_ATTEMPT")
                               or env.get("TORCHELASTIC_RESTART_COUNT") or "0")
+        vals["roll_call"] = bool(vals["store_hosted"] and "TORCHELASTIC_RESTART_COUNT" in env
+                                 and not env.get("GRADPRESS_ATTEMPT"))
         vals.update(overrides)
         return cls(**vals)
