@@ -7,10 +7,12 @@
   and fails at once; the CUDA tests set ``"cuda"``, as a user's script would.
 * ``decode_chunk`` rejects a reply after its decode kernels were queued on the copy stream:
   ``out`` must still be ``record_stream``-ed there, or a caller that drops the failed handle
-  gets ``out``'s block back while the copy stream still writes it (CUDA).
+  gets ``out``'s block back while the copy stream still writes it (CUDA; a CPU twin with
+  stand-in streams).
 * ``Handle.wait`` on two streams: the second waiter waits for the first one's conversion (CUDA).
 * Fusion with backward on a side stream and the step on the default stream: the push waits for
-  every member's copy (CUDA, a real cluster).
+  every member's copy (CUDA, a real cluster; a CPU twin: "meta" tensors as CUDA ones, stand-in
+  streams).
 * The dense phase of ``uncompressed_params="auto"`` reads nothing on the host per parameter:
   its meter works on ``"meta"`` tensors (CPU twin), and a dense step makes no host
   synchronisation beyond the pipeline's documented ones (CUDA, a real cluster).
@@ -18,8 +20,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -335,3 +339,104 @@ def test_agreement_meter_on_the_cpu_decides_as_before():
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_dense_phase_step_adds_no_synchronisation(tmp_path: Path, mode: str) -> None:
     _job(tmp_path, "dense_syncs", mode)
+
+
+# -- CPU twins of the stream bookkeeping: stand-in streams and events ------------------------------
+class _Stream:
+    """A stand-in CUDA stream: logs the events it waited on and recorded (named after it)."""
+
+    def __init__(self, name: str, index: int = 0) -> None:
+        self.name, self.device = name, torch.device("cuda", index)
+        self.log: list[tuple[str, object]] = []
+
+    def wait_event(self, event: object) -> None:
+        self.log.append(("waits", event))
+
+    def record_event(self, event: object = None) -> str:
+        made = f"{self.name}:{len(self.log)}"
+        self.log.append(("records", made))
+        return made
+
+
+def _stand_ins(monkeypatch: pytest.MonkeyPatch, first: _Stream) -> tuple[list[_Stream], list]:
+    """The current stream (a one-item list to switch) and a log of record_stream calls."""
+    from gradpress.ps import calls
+
+    current, recorded = [first], []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: recorded.append((self.data_ptr(), s.name)))
+
+    @contextlib.contextmanager
+    def on_stream(stream: _Stream | None) -> Iterator[None]:
+        before = current[0]
+        current[0] = stream or before
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(calls, "on_stream", on_stream)
+    return current, recorded
+
+
+def test_decode_chunk_records_out_on_its_stream_when_it_rejects(monkeypatch) -> None:
+    """CPU twin of finding 5: the reply's decode is queued on the copy stream, then rejected
+    from its bytes; ``out`` is ``record_stream``-ed there all the same, and no event is made
+    (the handle fails instead)."""
+    from gradpress.ps.calls import ChunkJob, ChunkState, PinnedKeeper, decode_chunk
+    from gradpress.ps.errors import PayloadError
+    copy = _Stream("copy")
+    _, recorded = _stand_ins(monkeypatch, _Stream("caller"))
+    n = 1000
+    dec = build("none", n, backend="torch")
+    bad = torch.ones(n)
+    bad[5] = float("inf")
+    payload = build("none", n, nan_policy="allow").compress(bad, key=0, step=0)
+
+    class Desc:
+        label = "test"
+
+    chunk = ChunkState(0, Desc(), 0, "server 0", dec, dec, dec.payload_bytes)  # type: ignore
+    out = torch.zeros(n)
+    job = ChunkJob(chunk, out, out, None, None, copy, "ready")  # type: ignore[arg-type]
+    job.recv = payload
+    with pytest.raises(PayloadError, match="non-finite"):
+        decode_chunk(job, True, PinnedKeeper())
+    assert float(out[0]) == 1.0, "the decode ran before the rejection (as queued kernels do)"
+    assert recorded == [(out.data_ptr(), "copy")], "out not recorded on the copy stream"
+    assert copy.log == []
+
+
+def test_fusion_push_waits_for_every_members_copy_whatever_its_stream(monkeypatch) -> None:
+    """CPU twin of finding 2: "meta" tensors stand in for CUDA ones. Two members arrive on a
+    side stream (backward inside ``torch.cuda.stream(side)``), the third, a parameter without
+    a gradient, on the main stream (its zeros come from ``step()``). Each copy waits for the
+    bucket's zero fill and records an event; the push, on the main stream, is submitted only
+    after that stream waited for all three copies."""
+    from gradpress.ps.calls import Handle
+    from gradpress.ps.fusion import Fuser, fused_keys
+    side, main = _Stream("side"), _Stream("main")
+    current, recorded = _stand_ins(monkeypatch, side)
+    monkeypatch.setattr(torch.Tensor, "is_cuda",
+                        property(lambda self: self.device.type in ("cuda", "meta")))
+    pushed: list[tuple[str, list]] = []
+
+    def push(buf: torch.Tensor, name: str) -> Handle:
+        pushed.append((current[0].name, list(current[0].log)))  # what submit's event covers
+        h = Handle(name, buf, buf.shape, buf.dtype, buf.device, 1)
+        h._chunk_done()
+        return h
+
+    fuser = Fuser(fused_keys([("a", 2), ("b", 3), ("c", 1)], 1000), push, timeout=5.0)
+    fuser.add("a", torch.ones(2, device="meta"))
+    fuser.add("b", torch.ones(3, device="meta"))
+    assert pushed == []
+    current[0] = main
+    fuser.add("c", torch.zeros(1, device="meta"))
+    assert side.log == [("records", "side:0"),                       # the zero fill
+                        ("waits", "side:0"), ("records", "side:2"),  # a's copy
+                        ("waits", "side:0"), ("records", "side:4")]  # b's copy
+    copies = [("waits", "side:2"), ("waits", "side:4"), ("waits", "main:1")]
+    assert pushed == [("main", [("waits", "side:0"), ("records", "main:1"), *copies])], pushed
+    assert {s for _, s in recorded} == {"side", "main"}, "the bucket is recorded on both"
