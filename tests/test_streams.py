@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -342,6 +343,16 @@ def test_cuda_dense_phase_step_adds_no_synchronisation(tmp_path: Path, mode: str
 
 
 # -- CPU twins of the stream bookkeeping: stand-in streams and events ------------------------------
+class _Event(str):
+    """A stand-in CUDA event, named after the stream and position it was recorded at."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _Stream:
     """A stand-in CUDA stream: logs the events it waited on and recorded (named after it)."""
 
@@ -352,17 +363,32 @@ class _Stream:
     def wait_event(self, event: object) -> None:
         self.log.append(("waits", event))
 
-    def record_event(self, event: object = None) -> str:
-        made = f"{self.name}:{len(self.log)}"
+    def record_event(self, event: object = None) -> _Event:
+        made = _Event(f"{self.name}:{len(self.log)}")
         self.log.append(("records", made))
         return made
 
 
-def _stand_ins(monkeypatch: pytest.MonkeyPatch, first: _Stream) -> tuple[list[_Stream], list]:
-    """The current stream (a one-item list to switch) and a log of record_stream calls."""
+class _Current(threading.local):
+    """Each thread's current stand-in stream (``current[0]``; ``first`` until one is set), as
+    CUDA keeps a current stream per thread."""
+
+    def __init__(self, first: _Stream) -> None:
+        self.stream = first
+
+    def __getitem__(self, _: int) -> _Stream:
+        return self.stream
+
+    def __setitem__(self, _: int, stream: _Stream) -> None:
+        self.stream = stream
+
+
+def _stand_ins(monkeypatch: pytest.MonkeyPatch, first: _Stream) -> tuple[_Current, list]:
+    """The current stream (``current[0] = s`` switches this thread's) and a log of
+    record_stream calls."""
     from gradpress.ps import calls
 
-    current, recorded = [first], []
+    current, recorded = _Current(first), []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda self, s: recorded.append((self.data_ptr(), s.name)))
@@ -440,3 +466,94 @@ def test_fusion_push_waits_for_every_members_copy_whatever_its_stream(monkeypatc
     copies = [("waits", "side:2"), ("waits", "side:4"), ("waits", "main:1")]
     assert pushed == [("main", [("waits", "side:0"), ("records", "main:1"), *copies])], pushed
     assert {s for _, s in recorded} == {"side", "main"}, "the bucket is recorded on both"
+
+
+def test_copy_streams_one_per_pool_thread_out_one_per_device_back() -> None:
+    """Finding 7: host mode gives each thread its own stream of a device for the way out and
+    every thread the device's one stream for the way back; device mode one stream per device
+    (the codecs' device state lives there)."""
+    from gradpress.ps.streams import CopyStreams
+    made: list[_Stream] = []
+
+    def new(device: torch.device) -> _Stream:
+        made.append(_Stream(f"s{len(made)}", device.index))
+        return made[-1]
+
+    host, d0, d1 = CopyStreams(False, new), torch.device("cuda", 0), torch.device("cuda", 1)
+    got: dict[str, tuple] = {}
+    both = threading.Barrier(2, timeout=10)  # alive together, as pool threads are: two idents
+
+    def pick(t: str) -> None:
+        got[t] = (host.way_out(d0), host.way_out(d0), host.way_back(d0))
+        both.wait()
+
+    ts = [threading.Thread(target=pick, args=(t,)) for t in ("t1", "t2")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    (a, a2, back_a), (b, b2, back_b) = got["t1"], got["t2"]
+    assert a is a2 and b is b2 and a is not b, "one way-out stream per thread"
+    assert back_a is back_b and back_a not in (a, b), "one way-back stream per device"
+    assert host.way_out(d1).device.index == 1 and host.way_back(d1) is not back_a
+    assert len(host.all()) == 5  # t1's, t2's and the way back on 0; this thread's, back on 1
+    device = CopyStreams(True, new)
+    assert device.way_out(d0) is device.way_back(d0) is device.way_out(d0)
+    assert len(device.all()) == 1
+
+
+def test_two_pool_threads_hand_their_chunks_back_by_events(monkeypatch) -> None:
+    """Finding 7's twin: two chunks compressed by two threads on their own streams, decoded by
+    the receiver on the way-back stream, waited on the caller's stream. Each way-out stream
+    holds its own chunk's wait and copy only; the way back waits for each chunk's submit
+    event before writing its result; the caller's stream waits for the way back's events;
+    every tensor is recorded on the stream that used it."""
+    from types import SimpleNamespace
+
+    from gradpress.ps import calls
+    from gradpress.ps.streams import CopyStreams
+    caller = _Stream("caller")
+    current, recorded = _stand_ins(monkeypatch, caller)
+    monkeypatch.setattr(calls, "blocking_event", lambda: None)
+    made: list[_Stream] = []
+    streams = CopyStreams(False, lambda d: made.append(_Stream(f"s{len(made)}")) or made[-1])
+    n = 8
+    codec = build("none", n)
+    xs = [torch.full((n,), float(i + 1)) for i in range(2)]
+    out = torch.zeros(2 * n)
+    handle = calls.Handle("g", out, torch.Size([2 * n]), torch.float32, torch.device("cpu"), 2)
+    back = streams.way_back(torch.device("cuda", 0))
+    jobs = [calls.ChunkJob(SimpleNamespace(enc=codec, dec=codec, key=i, server_name="server 0",
+                                           label=f"k{i}"),  # type: ignore[arg-type]
+                           xs[i], out[i * n:(i + 1) * n], handle, None, None, f"ready{i}",
+                           back=back, send=torch.empty(codec.payload_bytes, dtype=torch.uint8))
+            for i in range(2)]
+
+    both = threading.Barrier(2, timeout=10)  # alive together, as pool threads are
+
+    def push(job: calls.ChunkJob) -> None:  # as WorkerEngine._push does, on a pool thread
+        job.stream = streams.way_out(torch.device("cuda", 0))
+        calls.compress_chunk(job, False)
+        both.wait()
+
+    ts = [threading.Thread(target=push, args=(j,)) for j in jobs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    outs = [j.stream for j in jobs]
+    assert outs[0] is not outs[1] and back not in outs
+    for i, s in enumerate(outs):
+        assert s.log == [("waits", f"ready{i}"), ("records", f"{s.name}:1")], s.log
+    keeper = calls.PinnedKeeper()
+    for j in jobs[::-1]:  # replies land in any order; the receiver decodes them
+        j.recv = j.send.clone()  # "none": one worker's reply is its own push
+        handle._chunk_done(calls.decode_chunk(j, False, keeper))
+    assert back.log == [("waits", "ready1"), ("records", f"{back.name}:1"),
+                        ("waits", "ready0"), ("records", f"{back.name}:3")]
+    assert torch.equal(handle.wait(), torch.cat(xs))
+    assert caller.log[:2] == [("waits", f"{back.name}:1"), ("waits", f"{back.name}:3")]
+    assert sorted(recorded) == sorted([(xs[0].data_ptr(), outs[0].name),
+                                       (xs[1].data_ptr(), outs[1].name),
+                                       (out[n:].data_ptr(), back.name),
+                                       (out[:n].data_ptr(), back.name)])
