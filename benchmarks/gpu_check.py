@@ -2,14 +2,14 @@
 
 Usage::
 
-    python benchmarks/gpu_check.py                     # on a GPU machine: under 7 minutes
+    python benchmarks/gpu_check.py                     # on a GPU machine: under 8 minutes
     python benchmarks/gpu_check.py --quick             # smaller problems
     python benchmarks/gpu_check.py --allow-cpu --quick # no GPU: the non-CUDA parts on the CPU
 
 Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` (default
 ``benchmarks/results/gpu_check/``); exits 1 when a check failed, 2 on bad arguments (also on a
 machine without a visible CUDA device, unless ``--allow-cpu``). The machine (GPU, memory, CUDA,
-torch, CPUs) heads both. Sections, in this order, each with its own time limit (together 390 s),
+torch, CPUs) heads both. Sections, in this order, each with its own time limit (together 450 s),
 each recorded as pass, fail (also on an exception or a timeout; the others still run) or skip:
 
 * ``codecs``: encode/decode GB/s of the device path (torch kernels) against the host path
@@ -23,6 +23,10 @@ each recorded as pass, fail (also on an exception or a timeout; the others still
   CPU twins in those files run and must pass).
 * ``push_pull``: 2 workers on the same device + 1 server, ``compress_on`` host and device, with
   exactness checks and seconds per step; see ``gpu_check_push_pull.py``.
+* ``overlap`` (CUDA only): 2 workers on the device + 1 server, host mode, two compress
+  threads: a backward-like loop of matmuls alone, the push_pull of its gradients alone, and
+  both interleaved; prints the share of the shorter one hidden (the overlap ratio, one run);
+  see ``gpu_check_overlap.py``.
 
 Problem sizes: :data:`SIZES`, by device kind and ``--quick``. ``--device`` picks the GPU of the
 codecs and push_pull sections; the CUDA tests use the default device (choose it with
@@ -62,6 +66,7 @@ sys.path[:0] = [str(ROOT / "src"), str(HERE)]
 import torch  # noqa: E402
 
 import gpu_check_codecs  # noqa: E402
+import gpu_check_overlap  # noqa: E402
 import gpu_check_push_pull  # noqa: E402
 from gpu_check_report import Result, build_report, machine_info, write_report  # noqa: E402
 
@@ -302,12 +307,44 @@ def check_push_pull(ctx: Context, limit_s: float) -> Result:
                   details={"workers": by_mode}, error="\n\n".join(errors))
 
 
+# -- section: overlap ------------------------------------------------------------------------
+def check_overlap(ctx: Context, limit_s: float) -> Result:
+    name, title = "overlap", "Overlap of push_pull with a backward-like loop (host mode)"
+    job = ctx.work_dir / "overlap"
+    job.mkdir(parents=True, exist_ok=True)
+    quick = ctx.sizes.pp_steps < 5
+    cfg = {"device": str(ctx.device), "layers": 8, "numel": MiB // 4 * (1 if quick else 4),
+           "matmul_n": 2048, "layer_ms": 4.0, "steps": 3 if quick else 5, "out_dir": str(job)}
+    (job / "cfg.json").write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
+           "--timeout", "60", "--", sys.executable, str(HERE / "gpu_check_overlap.py"),
+           "--worker", str(job / "cfg.json")]
+    env = {**ctx.env, "GRADPRESS_COMPRESS_ON": "host", "GRADPRESS_COMPRESS_THREADS": "2",
+           "GRADPRESS_TIMEOUT": "60"}
+    out = run_command(cmd, limit_s, env)
+    if out.timed_out or out.rc != 0:
+        return failed_run(name, title, "gradpress launch", out, limit_s)
+    ranks = [json.loads((job / f"rank{r}.json").read_text()) for r in range(2)]
+    cols, rows, ratio, finite = gpu_check_overlap.table(ranks)
+    print(f"overlap ratio (slower worker, one run): {ratio:.2f}", flush=True)
+    notes = [f"Per worker: {cfg['layers']} layers of ~{cfg['layer_ms']:g} ms of "
+             f"{cfg['matmul_n']}^2 matmuls, a {4 * cfg['numel'] / MiB:g} MiB gradient each, "
+             f"onebit + vanilla EF; medians of {cfg['steps']} steps after a warm-up. Ratio: "
+             f"(compute + comm - both) / min(compute, comm); 1 = fully hidden, 0 = serial."]
+    return Result(name, title, "pass" if finite else "fail",
+                  f"overlap ratio {ratio:.2f} (slower worker, one run)"
+                  + ("" if finite else "; non-finite results"),
+                  columns=cols, rows=rows, notes=notes, details={"workers": ranks, "cfg": cfg})
+
+
 #: in this order (the codecs compile and cache the numba kernels the later jobs load); the
-#: limits add up to 390 s (most CUDA tests start a job of 2 workers and a server each)
+#: limits add up to 450 s (most CUDA tests start a job of 2 workers and a server each)
 SECTIONS: list[Section] = [
     Section("codecs", "Codec throughput: device path against host path", check_codecs, 60.0),
     Section("cuda_tests", "CUDA tests (pytest -k cuda)", check_cuda_tests, 260.0),
     Section("push_pull", "push_pull: 2 workers on one device + 1 server", check_push_pull, 70.0),
+    Section("overlap", "Overlap of push_pull with a backward-like loop (host mode)",
+            check_overlap, 60.0, needs_cuda=True),
 ]
 
 

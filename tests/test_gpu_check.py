@@ -33,7 +33,8 @@ def test_cpu_mode_end_to_end(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     status = {s["name"]: s["status"] for s in report["sections"]}
-    assert status == {"codecs": "pass", "cuda_tests": "skip", "push_pull": "pass"}, report
+    assert status == {"codecs": "pass", "cuda_tests": "skip", "push_pull": "pass",
+                      "overlap": "skip"}, report
     assert report["ok"] and report["mode"] == "cpu" and report["machine"]["cpu_count"] >= 1
     secs = {s["name"]: s for s in report["sections"]}
     counts = secs["cuda_tests"]["details"]["counts"]
@@ -77,6 +78,18 @@ def test_gpu_only_sections_skip_in_cpu_mode(tmp_path: Path) -> None:
     ctx = gc.Context(torch.device("cpu"), gc.SIZES[("cpu", True)], tmp_path, [], {})
     res = gc.run_section(gc.Section("streams", "Streams", _boom, 1.0, needs_cuda=True), ctx)
     assert res.status == "skip" and "CUDA" in res.summary
+
+
+def test_overlap_ratio_and_table() -> None:
+    import gpu_check_overlap as ov
+    fast = {"compute": 1.0, "comm": 0.5, "both": 1.0}  # comm hidden entirely
+    slow = {"compute": 1.0, "comm": 0.5, "both": 1.5}  # serial
+    assert ov.ratio(fast) == 1.0 and ov.ratio(slow) == 0.0
+    ranks = [{"rank": 0, "reps": 3, "finite": True, "median_s": fast},
+             {"rank": 1, "reps": 3, "finite": True, "median_s": slow}]
+    cols, rows, ratio, finite = ov.table(ranks)
+    assert ratio == 0.0 and finite and len(rows) == 2 and len(rows[0]) == len(cols)
+    assert rows[0][cols.index("overlap ratio")] == "1.00"
 
 
 def test_gpu_test_files(tmp_path: Path) -> None:

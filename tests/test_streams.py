@@ -7,10 +7,12 @@
   and fails at once; the CUDA tests set ``"cuda"``, as a user's script would.
 * ``decode_chunk`` rejects a reply after its decode kernels were queued on the copy stream:
   ``out`` must still be ``record_stream``-ed there, or a caller that drops the failed handle
-  gets ``out``'s block back while the copy stream still writes it (CUDA).
+  gets ``out``'s block back while the copy stream still writes it (CUDA; a CPU twin with
+  stand-in streams).
 * ``Handle.wait`` on two streams: the second waiter waits for the first one's conversion (CUDA).
 * Fusion with backward on a side stream and the step on the default stream: the push waits for
-  every member's copy (CUDA, a real cluster).
+  every member's copy (CUDA, a real cluster; a CPU twin: "meta" tensors as CUDA ones, stand-in
+  streams).
 * The dense phase of ``uncompressed_params="auto"`` reads nothing on the host per parameter:
   its meter works on ``"meta"`` tensors (CPU twin), and a dense step makes no host
   synchronisation beyond the pipeline's documented ones (CUDA, a real cluster).
@@ -18,8 +20,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -335,3 +340,220 @@ def test_agreement_meter_on_the_cpu_decides_as_before():
 @pytest.mark.parametrize("mode", ["host", "device"])
 def test_cuda_dense_phase_step_adds_no_synchronisation(tmp_path: Path, mode: str) -> None:
     _job(tmp_path, "dense_syncs", mode)
+
+
+# -- CPU twins of the stream bookkeeping: stand-in streams and events ------------------------------
+class _Event(str):
+    """A stand-in CUDA event, named after the stream and position it was recorded at."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """A stand-in CUDA stream: logs the events it waited on and recorded (named after it)."""
+
+    def __init__(self, name: str, index: int = 0) -> None:
+        self.name, self.device = name, torch.device("cuda", index)
+        self.log: list[tuple[str, object]] = []
+
+    def wait_event(self, event: object) -> None:
+        self.log.append(("waits", event))
+
+    def record_event(self, event: object = None) -> _Event:
+        made = _Event(f"{self.name}:{len(self.log)}")
+        self.log.append(("records", made))
+        return made
+
+
+class _Current(threading.local):
+    """Each thread's current stand-in stream (``current[0]``; ``first`` until one is set), as
+    CUDA keeps a current stream per thread."""
+
+    def __init__(self, first: _Stream) -> None:
+        self.stream = first
+
+    def __getitem__(self, _: int) -> _Stream:
+        return self.stream
+
+    def __setitem__(self, _: int, stream: _Stream) -> None:
+        self.stream = stream
+
+
+def _stand_ins(monkeypatch: pytest.MonkeyPatch, first: _Stream) -> tuple[_Current, list]:
+    """The current stream (``current[0] = s`` switches this thread's) and a log of
+    record_stream calls."""
+    from gradpress.ps import calls
+
+    current, recorded = _Current(first), []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: recorded.append((self.data_ptr(), s.name)))
+
+    @contextlib.contextmanager
+    def on_stream(stream: _Stream | None) -> Iterator[None]:
+        before = current[0]
+        current[0] = stream or before
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(calls, "on_stream", on_stream)
+    return current, recorded
+
+
+def test_decode_chunk_records_out_on_its_stream_when_it_rejects(monkeypatch) -> None:
+    """CPU twin of finding 5: the reply's decode is queued on the copy stream, then rejected
+    from its bytes; ``out`` is ``record_stream``-ed there all the same, and no event is made
+    (the handle fails instead)."""
+    from gradpress.ps.calls import ChunkJob, ChunkState, PinnedKeeper, decode_chunk
+    from gradpress.ps.errors import PayloadError
+    copy = _Stream("copy")
+    _, recorded = _stand_ins(monkeypatch, _Stream("caller"))
+    n = 1000
+    dec = build("none", n, backend="torch")
+    bad = torch.ones(n)
+    bad[5] = float("inf")
+    payload = build("none", n, nan_policy="allow").compress(bad, key=0, step=0)
+
+    class Desc:
+        label = "test"
+
+    chunk = ChunkState(0, Desc(), 0, "server 0", dec, dec, dec.payload_bytes)  # type: ignore
+    out = torch.zeros(n)
+    job = ChunkJob(chunk, out, out, None, None, copy, "ready")  # type: ignore[arg-type]
+    job.recv = payload
+    with pytest.raises(PayloadError, match="non-finite"):
+        decode_chunk(job, True, PinnedKeeper())
+    assert float(out[0]) == 1.0, "the decode ran before the rejection (as queued kernels do)"
+    assert recorded == [(out.data_ptr(), "copy")], "out not recorded on the copy stream"
+    assert copy.log == []
+
+
+def test_fusion_push_waits_for_every_members_copy_whatever_its_stream(monkeypatch) -> None:
+    """CPU twin of finding 2: "meta" tensors stand in for CUDA ones. Two members arrive on a
+    side stream (backward inside ``torch.cuda.stream(side)``), the third, a parameter without
+    a gradient, on the main stream (its zeros come from ``step()``). Each copy waits for the
+    bucket's zero fill and records an event; the push, on the main stream, is submitted only
+    after that stream waited for all three copies."""
+    from gradpress.ps.calls import Handle
+    from gradpress.ps.fusion import Fuser, fused_keys
+    side, main = _Stream("side"), _Stream("main")
+    current, recorded = _stand_ins(monkeypatch, side)
+    monkeypatch.setattr(torch.Tensor, "is_cuda",
+                        property(lambda self: self.device.type in ("cuda", "meta")))
+    pushed: list[tuple[str, list]] = []
+
+    def push(buf: torch.Tensor, name: str) -> Handle:
+        pushed.append((current[0].name, list(current[0].log)))  # what submit's event covers
+        h = Handle(name, buf, buf.shape, buf.dtype, buf.device, 1)
+        h._chunk_done()
+        return h
+
+    fuser = Fuser(fused_keys([("a", 2), ("b", 3), ("c", 1)], 1000), push, timeout=5.0)
+    fuser.add("a", torch.ones(2, device="meta"))
+    fuser.add("b", torch.ones(3, device="meta"))
+    assert pushed == []
+    current[0] = main
+    fuser.add("c", torch.zeros(1, device="meta"))
+    assert side.log == [("records", "side:0"),                       # the zero fill
+                        ("waits", "side:0"), ("records", "side:2"),  # a's copy
+                        ("waits", "side:0"), ("records", "side:4")]  # b's copy
+    copies = [("waits", "side:2"), ("waits", "side:4"), ("waits", "main:1")]
+    assert pushed == [("main", [("waits", "side:0"), ("records", "main:1"), *copies])], pushed
+    assert {s for _, s in recorded} == {"side", "main"}, "the bucket is recorded on both"
+
+
+def test_copy_streams_one_per_pool_thread_out_one_per_device_back() -> None:
+    """Finding 7: host mode gives each thread its own stream of a device for the way out and
+    every thread the device's one stream for the way back; device mode one stream per device
+    (the codecs' device state lives there)."""
+    from gradpress.ps.streams import CopyStreams
+    made: list[_Stream] = []
+
+    def new(device: torch.device) -> _Stream:
+        made.append(_Stream(f"s{len(made)}", device.index))
+        return made[-1]
+
+    host, d0, d1 = CopyStreams(False, new), torch.device("cuda", 0), torch.device("cuda", 1)
+    got: dict[str, tuple] = {}
+    both = threading.Barrier(2, timeout=10)  # alive together, as pool threads are: two idents
+
+    def pick(t: str) -> None:
+        got[t] = (host.way_out(d0), host.way_out(d0), host.way_back(d0))
+        both.wait()
+
+    ts = [threading.Thread(target=pick, args=(t,)) for t in ("t1", "t2")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    (a, a2, back_a), (b, b2, back_b) = got["t1"], got["t2"]
+    assert a is a2 and b is b2 and a is not b, "one way-out stream per thread"
+    assert back_a is back_b and back_a not in (a, b), "one way-back stream per device"
+    assert host.way_out(d1).device.index == 1 and host.way_back(d1) is not back_a
+    assert len(host.all()) == 5  # t1's, t2's and the way back on 0; this thread's, back on 1
+    device = CopyStreams(True, new)
+    assert device.way_out(d0) is device.way_back(d0) is device.way_out(d0)
+    assert len(device.all()) == 1
+
+
+def test_two_pool_threads_hand_their_chunks_back_by_events(monkeypatch) -> None:
+    """Finding 7's twin: two chunks compressed by two threads on their own streams, decoded by
+    the receiver on the way-back stream, waited on the caller's stream. Each way-out stream
+    holds its own chunk's wait and copy only; the way back waits for each chunk's submit
+    event before writing its result; the caller's stream waits for the way back's events;
+    every tensor is recorded on the stream that used it."""
+    from types import SimpleNamespace
+
+    from gradpress.ps import calls
+    from gradpress.ps.streams import CopyStreams
+    caller = _Stream("caller")
+    current, recorded = _stand_ins(monkeypatch, caller)
+    monkeypatch.setattr(calls, "blocking_event", lambda: None)
+    made: list[_Stream] = []
+    streams = CopyStreams(False, lambda d: made.append(_Stream(f"s{len(made)}")) or made[-1])
+    n = 8
+    codec = build("none", n)
+    xs = [torch.full((n,), float(i + 1)) for i in range(2)]
+    out = torch.zeros(2 * n)
+    handle = calls.Handle("g", out, torch.Size([2 * n]), torch.float32, torch.device("cpu"), 2)
+    back = streams.way_back(torch.device("cuda", 0))
+    jobs = [calls.ChunkJob(SimpleNamespace(enc=codec, dec=codec, key=i, server_name="server 0",
+                                           label=f"k{i}"),  # type: ignore[arg-type]
+                           xs[i], out[i * n:(i + 1) * n], handle, None, None, f"ready{i}",
+                           back=back, send=torch.empty(codec.payload_bytes, dtype=torch.uint8))
+            for i in range(2)]
+
+    both = threading.Barrier(2, timeout=10)  # alive together, as pool threads are
+
+    def push(job: calls.ChunkJob) -> None:  # as WorkerEngine._push does, on a pool thread
+        job.stream = streams.way_out(torch.device("cuda", 0))
+        calls.compress_chunk(job, False)
+        both.wait()
+
+    ts = [threading.Thread(target=push, args=(j,)) for j in jobs]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    outs = [j.stream for j in jobs]
+    assert outs[0] is not outs[1] and back not in outs
+    for i, s in enumerate(outs):
+        assert s.log == [("waits", f"ready{i}"), ("records", f"{s.name}:1")], s.log
+    keeper = calls.PinnedKeeper()
+    for j in jobs[::-1]:  # replies land in any order; the receiver decodes them
+        j.recv = j.send.clone()  # "none": one worker's reply is its own push
+        handle._chunk_done(calls.decode_chunk(j, False, keeper))
+    assert back.log == [("waits", "ready1"), ("records", f"{back.name}:1"),
+                        ("waits", "ready0"), ("records", f"{back.name}:3")]
+    assert torch.equal(handle.wait(), torch.cat(xs))
+    assert caller.log[:2] == [("waits", f"{back.name}:1"), ("waits", f"{back.name}:3")]
+    assert sorted(recorded) == sorted([(xs[0].data_ptr(), outs[0].name),
+                                       (xs[1].data_ptr(), outs[1].name),
+                                       (out[n:].data_ptr(), back.name),
+                                       (out[:n].data_ptr(), back.name)])

@@ -150,7 +150,7 @@ class Handle:
     The result has the input's shape, dtype and device. Do not modify the input tensor before
     the handle completes: its chunks are read while they are compressed.
 
-    On CUDA the handle completes when every chunk's result is queued on the engine's copy
+    On CUDA the handle completes when every chunk's result is queued on an engine
     stream; :meth:`wait` then makes the caller's current stream wait for the chunks' events
     (``Stream.wait_event``, torch/cuda/streams.py) rather than blocking the host, so the result
     is ready for work queued on that stream. Each ``wait`` does this for its own current
@@ -177,7 +177,7 @@ class Handle:
         self._on_done = on_done
         self._result: torch.Tensor | None = None
         self._finished = False
-        self._cuda_events: list[Any] = []  # one per chunk, recorded on the copy stream
+        self._cuda_events: list[Any] = []  # one per chunk, recorded on its way back
         self._made: Any = None  # CUDA: event recorded after the first wait made the result
 
     def done(self) -> bool:
@@ -312,8 +312,9 @@ class ChunkJob:
     out: torch.Tensor
     handle: Handle
     lr: float | None
-    stream: Any = None  # CUDA: the engine's copy stream of the tensor's device (else None)
+    stream: Any = None  # CUDA: the engine stream of the way out (ps/streams.py; else None)
     ready: Any = None  # CUDA: event recorded on the caller's current stream at submit
+    back: Any = None  # CUDA: the engine stream of the way back, when not ``stream``
     step: int = 0
     send: torch.Tensor | None = None  # lent by the buffer pool from dispatch to finish
     recv: torch.Tensor | None = None
@@ -332,7 +333,7 @@ def blocking_event() -> Any:
 # -- a chunk's two device crossings (ps/worker.py's module docstring: the stream model) ---------
 def compress_chunk(job: ChunkJob, device_mode: bool) -> None:
     """Step 2: compress ``job.x`` into ``job.send`` (on the host, or where it lives when
-    ``device_mode``); on CUDA after the event recorded at submit, on the engine's copy stream."""
+    ``device_mode``); on CUDA after the event recorded at submit, on ``job.stream``."""
     chunk, x, send = job.chunk, job.x, job.send
     kw: dict[str, Any] = {"key": chunk.key, "step": job.step, "lr": job.lr}
     if job.stream is None:  # CPU (or a device without streams: a blocking copy)
@@ -355,11 +356,12 @@ def compress_chunk(job: ChunkJob, device_mode: bool) -> None:
 
 def decode_chunk(job: ChunkJob, device_mode: bool, pinned: PinnedKeeper) -> Any:
     """Step 5: validate the reply in ``job.recv`` and decode it into ``job.out``; on CUDA
-    return the event recorded on the copy stream once ``job.out`` is written (the host does
-    not wait for it), else None."""
+    return the event recorded on the way back's stream (``job.back``, else ``job.stream``)
+    once ``job.out`` is written (the host does not wait for it), else None."""
     chunk, out, payload = job.chunk, job.out, job.recv
     kw = {"key": chunk.key, "step": job.step, "sender": chunk.server_name, "label": chunk.label}
-    if job.stream is None:
+    stream = job.stream if job.back is None else job.back
+    if stream is None:
         on_host = out.device.type == "cpu" or device_mode
         dst = out if on_host else torch.empty_like(out, device="cpu")
         decode_reply(chunk.dec, payload, dst, **kw)  # type: ignore[arg-type]
@@ -369,7 +371,9 @@ def decode_chunk(job: ChunkJob, device_mode: bool, pinned: PinnedKeeper) -> Any:
     host = None if device_mode else host_buffer(out)
     if host is not None:
         decode_reply(chunk.dec, payload, host, **kw)  # type: ignore[arg-type]
-    with on_stream(job.stream):
+    with on_stream(stream):
+        if stream is not job.stream:  # a stream of its own: after what preceded submit (out
+            stream.wait_event(job.ready)  # may be fresh from the caller's stream, or x itself)
         try:
             if host is None:  # the codec copies the payload to the device and decodes there
                 decode_reply(chunk.dec, payload, out, **kw)  # type: ignore[arg-type]
@@ -379,8 +383,8 @@ def decode_chunk(job: ChunkJob, device_mode: bool, pinned: PinnedKeeper) -> Any:
             # also when decode_reply raises: its finiteness check of a host payload comes
             # after the decode kernels were queued, which still write out on this stream; a
             # caller that drops the failed handle must not get out's block back before then
-            out.record_stream(job.stream)
-        done = job.stream.record_event()
+            out.record_stream(stream)
+        done = stream.record_event()
     if host is not None:
         pinned.keep(done, host)  # the copy reads host until done
     return done

@@ -35,17 +35,19 @@ where the tensor lives until the pool picks them up; the result has the tensor's
   payload crosses to the host. On CPU tensors this runs the torch kernels on CPU, which is how
   the tests cover it.
 
-CUDA streams: ``submit`` records an event on the caller's current stream. Each device has one
-engine copy stream; a chunk's device work (copies, device-mode kernels) runs there, in a pool
-thread set to that device (:func:`~gradpress.ps.calls.on_stream`), after waiting on that event.
-Host mode: the chunk is copied non-blocking into pinned memory and the pool thread synchronises
-on one event per chunk before compressing; the decoded reply goes up non-blocking from pinned
-memory (kept alive until its event completed). Device mode: ``compress(x, out=send)`` copies
-the payload down with the chunk's one synchronisation, ``decode_reply`` decodes the reply on
-the device without one (the codecs' side). Tensors used on the copy stream get
-``record_stream``. A handle completes when every chunk's result is queued; ``wait`` makes the
-caller's current stream wait on the chunks' events. Reasoned from PyTorch's stream semantics;
-the CUDA tests in ``tests/test_push_pull_device.py`` run it where a GPU is present (none yet).
+CUDA streams: ``submit`` records an event on the caller's current stream; a chunk's device work
+(copies, device-mode kernels) runs on an engine stream (:mod:`gradpress.ps.streams`: host mode,
+one per pool thread on the way out and one per device on the way back; device mode, one per
+device), in a thread set to that device (:func:`~gradpress.ps.calls.on_stream`), after waiting
+on that event. Host mode: the chunk is copied non-blocking into pinned memory and the pool
+thread synchronises on one event per chunk before compressing; the decoded reply goes up
+non-blocking from pinned memory (kept alive until its event completed). Device mode:
+``compress(x, out=send)`` copies the payload down with the chunk's one synchronisation,
+``decode_reply`` decodes the reply on the device without one (the codecs' side). Tensors used
+on an engine stream get ``record_stream``. A handle completes when every chunk's result is
+queued; ``wait`` makes the caller's current stream wait on the chunks' events. Reasoned from
+PyTorch's stream semantics; the CUDA tests in ``tests/test_push_pull_device.py`` run it where a
+GPU is present (none yet).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from .errors import GradpressError
 from .handoff import HandOff
 from .keyplan import Planner
 from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, pack_control
+from .streams import CopyStreams
 from .trace import Tracer
 from .transport import CTRL_TAG, BufferPool, ByteBudget, Transport, fits_inline, head_room
 
@@ -113,7 +116,7 @@ class WorkerEngine:
             ("bytes_pushed", "bytes_pulled", "dense_fp32_bytes", "steps", "chunks",
              "drift_recoveries"), 0)
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
-        self._streams: dict[int | None, Any] = {}  # CUDA copy stream per device index
+        self._streams = CopyStreams(cfg.compress_on == "device")  # CUDA: the engine's streams
         self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed
         self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
         self._decode = HandOff()  # decode on the receiver, or on the pool
@@ -151,9 +154,9 @@ class WorkerEngine:
         like = tensor if out is None else out  # the result's shape, dtype and device
         out = dst if dst is not None else torch.empty(flat.numel(), dtype=torch.float32,
                                                       device=flat.device)
-        stream = ready = None
-        if flat.is_cuda:  # the chunks' device work waits for what is queued now, on its stream
-            stream, ready = self._copy_stream(flat.device), torch.cuda.Event()
+        back = ready = None
+        if flat.is_cuda:  # the chunks' device work waits for what is queued now (ps/streams.py)
+            ready, back = torch.cuda.Event(), self._streams.way_back(flat.device)
             ready.record(torch.cuda.current_stream(flat.device))
         handle = Handle(name, out, like.shape, like.dtype, like.device, len(plan.chunks),
                         on_done=self._on_done)
@@ -165,25 +168,14 @@ class WorkerEngine:
         for chunk, off in zip(plan.chunks, plan.offsets):
             n = chunk.desc.numel
             self._enqueue(ChunkJob(chunk, flat[off:off + n], out[off:off + n], handle, lr,
-                                   stream, ready))
+                                   None, ready, back=back))  # stream: the pool thread's
         if not plan.chunks:
             handle._chunk_done()
         return handle
 
-    def _copy_stream(self, device: torch.device) -> Any:
-        """The engine's CUDA stream of ``device`` for the chunks' copies and device kernels."""
-        with self._lock:
-            stream = self._streams.get(device.index)
-            if stream is None:
-                stream = self._streams[device.index] = torch.cuda.Stream(device)
-            return stream
-
     def sync_device(self) -> None:
-        """Wait for the device work queued on the copy streams (codec state written there)."""
-        with self._lock:
-            streams = list(self._streams.values())
-        for s in streams:
-            s.synchronize()
+        """Wait for the device work queued on the engine's streams (codec state written there)."""
+        self._streams.synchronize()
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -280,6 +272,8 @@ class WorkerEngine:
     def _push(self, job: ChunkJob) -> None:  # steps 2-3
         chunk, send, t0 = job.chunk, job.send, time.perf_counter()
         assert send is not None and job.recv is not None  # taken by _dispatch
+        if job.ready is not None:  # CUDA: this thread's stream (ps/streams.py, step 1)
+            job.stream = self._streams.way_out(job.x.device)
         compress_chunk(job, self.cfg.compress_on == "device")
         t1 = time.perf_counter()
         dst, label = chunk.server_rank, chunk.label
