@@ -24,7 +24,7 @@ A codec's own decode check that raises (host side) falls back to the immediate c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,8 +34,34 @@ from ..ddp.checks import DeviceCheck
 from ..ps.errors import PayloadError
 
 if TYPE_CHECKING:
-    from .comm import CompressedReduceScatter
-    from .state import ModuleCodecs
+    from ..compress import Codec
+
+
+class CodecsView(Protocol):
+    """What the checks read of :class:`gradpress.fsdp.state.ModuleCodecs` (named structurally:
+    state and comm import this module)."""
+
+    world: int
+    rank: int
+    shard: int
+    slot: int
+    decoder: Codec
+    recv: torch.Tensor
+    acc: torch.Tensor
+    checked: torch.Tensor | None
+
+    def payload(self, buf: torch.Tensor, i: int) -> torch.Tensor: ...
+
+
+class CommView(Protocol):
+    """What step 4 calls of :class:`gradpress.fsdp.CompressedReduceScatter`."""
+
+    name: str
+
+    def key(self, shard: int, world: int) -> int: ...
+
+    def _reduce_own(self, codecs: Any, step: int, factor: tuple[str, float] | None,
+                    output: torch.Tensor) -> None: ...
 
 __all__ = ["PendingReduce", "ReduceCheck", "reduce_own_deferred", "raise_failed"]
 
@@ -45,8 +71,8 @@ class PendingReduce:
     """What a failed flag needs to re-run the host checks of one call (the job of its
     :class:`~gradpress.ddp.checks.DeviceCheck`)."""
 
-    comm: CompressedReduceScatter
-    codecs: ModuleCodecs
+    comm: CommView
+    codecs: CodecsView
     step: int
     factor: tuple[str, float] | None
 
@@ -61,7 +87,7 @@ class ReduceCheck(DeviceCheck):
         super().__init__(job, ok)  # type: ignore[arg-type]
 
 
-def _expected(codecs: ModuleCodecs, head: Header) -> torch.Tensor:
+def _expected(codecs: CodecsView, head: Header) -> torch.Tensor:
     """The header bytes of ``head`` on the receive buffer's device (no blocking copy)."""
     raw = torch.empty(HEADER_BYTES, dtype=torch.uint8, device="cpu")  # whatever the default
     pack_header(raw, head)
@@ -69,7 +95,7 @@ def _expected(codecs: ModuleCodecs, head: Header) -> torch.Tensor:
     return raw if dev.type == "cpu" else raw.pin_memory().to(dev, non_blocking=True)
 
 
-def _mask(codecs: ModuleCodecs) -> torch.Tensor:
+def _mask(codecs: CodecsView) -> torch.Tensor:
     """Bool (HEADER_BYTES,): the header bytes compared, made on the device by kernels."""
     if codecs.checked is None:
         mask = torch.zeros(HEADER_BYTES, dtype=torch.bool, device=codecs.recv.device)
@@ -79,7 +105,7 @@ def _mask(codecs: ModuleCodecs) -> torch.Tensor:
     return codecs.checked
 
 
-def reduce_own_deferred(codecs: ModuleCodecs, key: int, step: int,
+def reduce_own_deferred(codecs: CodecsView, key: int, step: int,
                         factor: tuple[str, float] | None,
                         output: torch.Tensor) -> torch.Tensor | None:
     """Steps 1-3 for the shard this rank owns; returns the (1,) bool device flag "passed",
