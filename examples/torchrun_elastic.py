@@ -14,11 +14,13 @@ where the larger one stopped. The task is examples/torchrun_train.py's (an MLP o
 teacher's labels). With ``--out DIR`` every worker writes ``DIR/rank<r>.json``: its losses
 since the start of this attempt, the held-out loss, a hash of its parameters, what a resized
 load did and torchrun's restart count (``attempt``). ``GP_KILL_AT=STEP`` (with
-``GP_KILL_RANK``, default 1) makes that worker SIGKILL itself before that step in torchrun's
-first attempt only (``TORCHELASTIC_RESTART_COUNT=0``): the failure the tests inject; with
-``GP_KILL_AGENT=1`` it SIGKILLs its torchrun agent first (a node lost). ``GP_HOLD_AT=STEP``
-instead makes it write ``OUT/held-rank<r>`` and wait there to be
-killed from outside (the tests kill every process of its "node").
+``GP_KILL_RANK``, default 1; ``any``: whichever rank this process is, for a variable set on one
+node only, since the rendezvous does not promise which node's worker gets which rank) makes
+that worker SIGKILL itself before that step in torchrun's first attempt only
+(``TORCHELASTIC_RESTART_COUNT=0``): the failure the tests inject; with ``GP_KILL_AGENT=1`` it
+SIGKILLs its torchrun agent first (a node lost). ``GP_HOLD_AT=STEP`` instead makes it write
+``OUT/held-rank<r>`` and wait there to be killed from outside (the tests kill every process of
+its "node").
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def maybe_die(step: int, out: str | None) -> None:
     """SIGKILL this worker before ``step`` if ``GP_KILL_AT`` says so, or wait there to be killed
     if ``GP_HOLD_AT`` does (first attempt only)."""
+    who = os.environ.get("GP_KILL_RANK", "1")
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" \
-            or gp.rank() != int(os.environ.get("GP_KILL_RANK", "1")):
+            or (who != "any" and gp.rank() != int(who)):
         return
     if out and step == int(os.environ.get("GP_HOLD_AT", "-1")):
         print(f"worker {gp.rank()}: holding before step {step}", flush=True)
