@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smaller tensors travel exact (default: the factory's own, \"auto\": "
                         "the largest tensors holding 95%% of the bytes are compressed; "
                         "16384 is gradpress train's default)")
+    f.add_argument("--reset-every", type=int, metavar="N",
+                   help="study (issue 38): every N compressed steps each compressed momentum "
+                        "travels exact once and its residuals start afresh (the health watch "
+                        "made to act at every probe; default: the watch's own rule)")
+    f.add_argument("--ef-auto", action="store_true",
+                   help="study (issue 38): each worker residual's decay from the codec's "
+                        "measured contraction (benchmarks/study_ef.py)")
     s = p.add_argument_group("experiment switches of the optimizer classes (--method train)")
     s.add_argument("--variance", choices=("frozen", "local"),
                    help="onebit-lans: the second moment after the dense phase")
@@ -117,6 +124,12 @@ def run_factory(args: argparse.Namespace) -> None:
     model.train()
     wd = task.defaults.weight_decay if s.cfg.weight_decay is None else s.cfg.weight_decay
     factory = getattr(gp, FACTORIES[args.method])
+    if args.reset_every is not None:
+        _reset_every(args.reset_every)
+    if args.ef_auto:
+        from study_ef import install_auto_decay
+
+        install_auto_decay()
     opt = factory(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
                   weight_decay=wd, **factory_options(args))
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})
@@ -133,6 +146,23 @@ def run_factory(args: argparse.Namespace) -> None:
         torch.save({"model": model.state_dict(), "probe_log": probes}, args.save_model)
         # the probes alone, small enough to keep with the run's record
         args.save_model.with_name("probes.json").write_text(json.dumps(probes) + "\n")
+
+
+def _reset_every(n: int) -> None:
+    """``--reset-every N``: the factory's health watch probes every N steps and acts at every
+    probe (a cosine is never above 1), for one exact step (the builder reads
+    ``gradpress.optim.health.HealthWatch`` when it builds the optimizer)."""
+    import dataclasses
+
+    import gradpress.optim.health as health
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class ResetWatch(health.HealthWatch):
+        every: int = n
+        threshold: float | None = 1.0
+        recover_steps: int = 1
+
+    health.HealthWatch = ResetWatch  # type: ignore[misc]
 
 
 def run_train(args: argparse.Namespace) -> None:

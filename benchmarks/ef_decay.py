@@ -37,15 +37,28 @@ def _load(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 
 
+def _study_switches(script: list[str]) -> list[str]:
+    """clan_script.py's issue-38 study switches in a run's script (``--ef-auto``,
+    ``--reset-every N``)."""
+    out: list[str] = []
+    for i, a in enumerate(script):
+        if a == "--ef-auto":
+            out.append(a)
+        elif a == "--reset-every":
+            out += [a, script[i + 1]]
+    return out
+
+
 def describe(run: Path) -> dict[str, Any]:
     """Step 1: task, seed, lr scale and ef spec of a kept run."""
     cfg = _load(run / "config.json")["runs"][0]
     script, seed = cfg["script"], cfg["seed"]
     task = script[script.index("--task") + 1]
     ef = _load(run / "report.json")["plan"]["ef"]
+    study = _study_switches(script)
     stem, lr1 = TASKS[task]
     scale = cfg["lr"] / lr1
-    return {"task": task, "seed": seed, "scale": scale, "ef": ef,
+    return {"task": task, "seed": seed, "scale": scale, "ef": ef, "study": study,
             "suffix": stem + ("" if scale == 1 else f"_lr{scale:g}x") + f"_s{seed}"}
 
 
@@ -69,7 +82,8 @@ def table() -> list[str]:
             continue
         gap = f"{100 * (mine / base - 1):+.2f}%"
         dgap = "-" if default is None else f"{100 * (default / base - 1):+.2f}%"
-        rows.append(f"| {d['task']} | {d['scale']:g}x | {d['seed']} | `{d['ef']}` | "
+        ef = f"`{d['ef']}`" + "".join(f" `{a}`" for a in d["study"])
+        rows.append(f"| {d['task']} | {d['scale']:g}x | {d['seed']} | {ef} | "
                     f"{mine:.3f} | {base:.3f} | {gap} | {dgap} |")
     return rows
 
@@ -85,7 +99,7 @@ def commands() -> list[str]:
                 *(["--schedule", cfg["schedule"]] if cfg["schedule"] != "cosine" else []),
                 "--seed", str(d["seed"]), "--out", f"runs/ef-decay/{run.parent.name}", "--",
                 "python", "benchmarks/clan_script.py", "--task", d["task"], "--compression",
-                "onebit", "--ef", d["ef"]]
+                "onebit", "--ef", d["ef"], *d["study"]]
         out.append(shlex.join(argv))
     return out
 
