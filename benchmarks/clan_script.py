@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--ef-auto", action="store_true",
                    help="study (issue 38): each worker residual's decay from the codec's "
                         "measured contraction (benchmarks/study_ef.py)")
+    f.add_argument("--decay-on-drift", metavar="EF",
+                   help="study (issue 38): residuals kept whole (give --ef vanilla:...) until "
+                        "the health watch sees a drift, then every compressed momentum travels "
+                        "with this ef (benchmarks/study_ef.py)")
     s = p.add_argument_group("experiment switches of the optimizer classes (--method train)")
     s.add_argument("--variance", choices=("frozen", "local"),
                    help="onebit-lans: the second moment after the dense phase")
@@ -130,6 +134,10 @@ def run_factory(args: argparse.Namespace) -> None:
         from study_ef import install_auto_decay
 
         install_auto_decay()
+    if args.decay_on_drift:
+        from study_ef import install_decay_on_drift
+
+        install_decay_on_drift(args.decay_on_drift)
     opt = factory(model.named_parameters(), lr=s.hparams["lr"], compression=args.compression,
                   weight_decay=wd, **factory_options(args))
     gp.broadcast_parameters({f"init.{k}": v for k, v in model.state_dict().items()})

@@ -1,6 +1,8 @@
 """Issue 38's study of the workers' residual decay under ``gp.OneBitLANS``: the default
 (``vanilla:decay=0.8,server_decay=1.0``) against 0.9 and 1.0 (vanilla) on stdlib-words (post-LN,
-constant lr, the lr sweep) and stdlib-mlm (pre-LN, warm-up and cosine decay, 800 steps).
+constant lr, the lr sweep) and stdlib-mlm (pre-LN, warm-up and cosine decay, 800 steps), and the
+rules of ``clan_script.py``'s study switches (``--ef-auto``, ``--reset-every``,
+``--decay-on-drift``; ``benchmarks/study_ef.py``).
 
 Usage::
 
@@ -29,8 +31,8 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUNS, TARGETS = RESULTS / "ef-decay", RESULTS / "targets"
-#: clan_script's task -> (the targets' run-directory stem, the lr of 1x)
-TASKS = {"stdlib-words": ("st1000_constant", 0.01), "stdlib-mlm": ("st800", 0.01)}
+#: clan_script's task -> (the targets' run-directory stem for a number of steps, the lr of 1x)
+TASKS = {"stdlib-words": ("st{steps}_constant", 0.01), "stdlib-mlm": ("st{steps}", 0.01)}
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -39,12 +41,12 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _study_switches(script: list[str]) -> list[str]:
     """clan_script.py's issue-38 study switches in a run's script (``--ef-auto``,
-    ``--reset-every N``)."""
+    ``--reset-every N``, ``--decay-on-drift EF``)."""
     out: list[str] = []
     for i, a in enumerate(script):
         if a == "--ef-auto":
             out.append(a)
-        elif a == "--reset-every":
+        elif a in ("--reset-every", "--decay-on-drift"):
             out += [a, script[i + 1]]
     return out
 
@@ -57,8 +59,10 @@ def describe(run: Path) -> dict[str, Any]:
     ef = _load(run / "report.json")["plan"]["ef"]
     study = _study_switches(script)
     stem, lr1 = TASKS[task]
+    stem = stem.format(steps=cfg["steps"])
     scale = cfg["lr"] / lr1
     return {"task": task, "seed": seed, "scale": scale, "ef": ef, "study": study,
+            "steps": cfg["steps"],
             "suffix": stem + ("" if scale == 1 else f"_lr{scale:g}x") + f"_s{seed}"}
 
 
@@ -70,8 +74,8 @@ def final(path: Path) -> float | None:
 
 def table() -> list[str]:
     """Steps 2-3: one markdown row per kept run."""
-    rows = ["| task | lr | seed | error feedback | val loss | LANS | gap | default's gap |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| task | steps | lr | seed | error feedback | val loss | LANS | gap | default's gap |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for run in sorted(RUNS.glob("*/*/config.json")):
         d = describe(run.parent)
         root = TARGETS / d["task"]
@@ -83,7 +87,7 @@ def table() -> list[str]:
         gap = f"{100 * (mine / base - 1):+.2f}%"
         dgap = "-" if default is None else f"{100 * (default / base - 1):+.2f}%"
         ef = f"`{d['ef']}`" + "".join(f" `{a}`" for a in d["study"])
-        rows.append(f"| {d['task']} | {d['scale']:g}x | {d['seed']} | {ef} | "
+        rows.append(f"| {d['task']} | {d['steps']} | {d['scale']:g}x | {d['seed']} | {ef} | "
                     f"{mine:.3f} | {base:.3f} | {gap} | {dgap} |")
     return rows
 

@@ -64,3 +64,41 @@ def install_auto_decay() -> None:
 
     ErrorFeedback._step = _step  # type: ignore[method-assign]
     ErrorFeedback._study_auto = True  # type: ignore[attr-defined]
+
+
+def install_decay_on_drift(ef: str) -> None:
+    """``--decay-on-drift EF``: the workers' residuals are kept whole (the factory's ``ef``)
+    until the health watch sees a drift in any tensor; from the next step on, every compressed
+    momentum travels under ``ef`` (e.g. ``vanilla:decay=0.8,server_decay=1.0``), under new
+    keys, so workers and servers build fresh codecs with it. Patches the builder's momentum
+    route in this worker process; every worker sees the same drift at the same step (the
+    probe is an exact average), so the keys switch together."""
+    import dataclasses
+
+    from gradpress.torch import builder
+
+    route = builder._MomentumRoute
+    if getattr(route, "_study_drift", False):
+        return
+    orig = route.communicate
+
+    def communicate(self: Any, key: str, m: torch.Tensor) -> Any:
+        switched = getattr(self, "_switched", False)
+        if not switched and any(self.opt.generation(i) for i in range(len(self.named))):
+            self._switched = switched = True
+            self._spec0 = self.spec
+            log.warning("study_ef: a drift was seen; every compressed momentum now travels "
+                        "with ef %s", ef)
+        fused = self.fusion is not None and self.fusion.fuses(f"{self.prefix}{key}")
+        if not switched or fused or key.endswith((".rows", ".probe")):
+            return orig(self, key, m)
+        spec0, prefix0 = self.spec, self.prefix
+        self.spec = dataclasses.replace(self._spec0, wrappers={**self._spec0.wrappers, "ef": ef})
+        self.prefix = prefix0 + "d."
+        try:
+            return orig(self, key, m)
+        finally:
+            self.spec, self.prefix = spec0, prefix0
+
+    route.communicate = communicate  # type: ignore[method-assign]
+    route._study_drift = True  # type: ignore[attr-defined]
