@@ -1,8 +1,10 @@
 """A plain PyTorch script with gradpress that recovers under torchrun's elastic agent
 (docs/integrations.md, "Recovery with torchrun"):
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # several nodes: a new node's agent finds it
     torchrun --nnodes 1:2 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29400 examples/torchrun_elastic.py --ckpt /shared/ckpt
+        --rdzv-endpoint HOST:29400 --local-addr THIS_NODE_ADDR examples/torchrun_elastic.py \\
+        --ckpt /shared/ckpt
 
 Every ``--every`` steps it saves a checkpoint into ``CKPT/step-<N>`` (``gradpress.checkpoint.
 save``: parameters, optimizer, every worker's and server's residuals, RNG, and as ``extra`` the

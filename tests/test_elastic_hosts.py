@@ -3,7 +3,7 @@ torchrun"): network namespaces joined by veth pairs (gradpress.train.netem), one
 worker each, examples/torchrun_elastic.py, the c10d rendezvous on host 0's address.
 
 * ``--nnodes 1:2``: every process of host 1 SIGKILLed from outside; host 0 completes alone under
-  the fold rule.
+  the fold rule, within the task's target of an uninterrupted one-worker run.
 * ``--nnodes 2``: host 1's worker lost (its agent lives); both agents restart, bit-identical.
 * ``--nnodes 2``: every process of host 1 SIGKILLed, a new agent started on host 1 (a
   replacement node); bit-identical to the uninterrupted run. With
@@ -62,11 +62,21 @@ def logs_text(tmp: Path) -> str:
     return "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp.glob("*.log")))
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_one(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One worker, no failure (the smaller size of a shrunk world): its results."""
+    root = tmp_path_factory.mktemp("uninterrupted-one")
+    elastic(1, root / "ckpt", root / "out", restarts=0)
+    return results(root / "out", 1)[0]
+
+
 @pytest.mark.cluster
-def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(tmp_path: Path) -> None:
+def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(
+        tmp_path: Path, uninterrupted_one: dict) -> None:
     # --nnodes 1:2: host 1's worker waits before step 25; then every process of host 1 (its
     # agent included) is SIGKILLed; host 0's agent restarts alone and folds the 2-worker
-    # step-20 checkpoint into 1 worker
+    # step-20 checkpoint into 1 worker; the task's target: the held-out loss within 5% of an
+    # uninterrupted run's at the smaller size
     with two_hosts() as cl:
         procs = [host_agent(cl, i, tmp_path, "1:2", f"agent{i}.log", **(HOLD if i else {}))
                  for i in (0, 1)]
@@ -81,6 +91,8 @@ def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(tmp_path:
     assert one["resized"] == {"checkpoint": str((tmp_path / "ckpt" / "step-20").resolve()),
                               "step": 20, "saved_workers": 2, "saved_servers": 2,
                               "workers": 1, "servers": 1, "rule": "fold"}
+    assert one["held_out_loss"] < 1.05 * uninterrupted_one["held_out_loss"], \
+        (one["held_out_loss"], uninterrupted_one["held_out_loss"])
 
 
 @pytest.mark.cluster
