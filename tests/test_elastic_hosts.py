@@ -39,9 +39,11 @@ from elastic_runs import (
 )
 from helpers import results
 
-#: torch's opt-out of the agent's shared TCP store: world rank 0's process hosts the store and
-#: the rank-0 agent publishes its address in every round of the rendezvous.
-OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+#: The recommended invocation's environment (docs/integrations.md): torch's opt-out of the
+#: agent's shared TCP store (world rank 0's process hosts the store and the rank-0 agent
+#: publishes its address in every round of the rendezvous), and one job secret on every node,
+#: the replacement's or the joining node's included.
+OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GRADPRESS_SECRET": "elastic-hosts"}
 #: A loaded machine (2 shared cores) misses keep-alives: a joining node waits longer.
 JOIN_CONF = RDZV_CONF.replace("keep_alive_max_attempt=2", "keep_alive_max_attempt=10")
 HOLD = {"GP_HOLD_AT": "25", "GP_KILL_RANK": "any"}
