@@ -1,6 +1,6 @@
 """What the elastic tests share (tests/test_elastic.py, tests/test_elastic_hosts.py): torchrun of
 examples/torchrun_elastic.py on one machine (the uninterrupted run is conftest's fixture
-``uninterrupted``), and two emulated hosts
+``uninterrupted``), and emulated hosts
 (network namespaces joined by veth pairs, gradpress.train.netem) with one torchrun agent each."""
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ def elastic(nproc: int, ckpt: Path, out: Path, *args: str, restarts: int = 2,
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[netem.EmulatedCluster]:
-    """Two network namespaces ("nodes") joined by veth pairs to a bridge (no rate limit)."""
+def hosts(n: int = 2) -> Iterator[netem.EmulatedCluster]:
+    """``n`` network namespaces ("nodes") joined by veth pairs to a bridge (no rate limit)."""
     try:
         netem.check_environment()
     except netem.NetemError as e:  # not a skip: the test needs what the sandbox must have
-        pytest.fail(f"two emulated hosts need root and `ip netns` (gradpress.train.netem): {e}")
-    with netem.emulated_cluster(2, None) as cl:
+        pytest.fail(f"emulated hosts need root and `ip netns` (gradpress.train.netem): {e}")
+    with netem.emulated_cluster(n, None) as cl:
         yield cl
 
 

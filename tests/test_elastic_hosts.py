@@ -11,6 +11,7 @@ worker each, examples/torchrun_elastic.py, the c10d rendezvous on host 0's addre
   mode a strict xfail: torch 2.13's agent publishes ``MASTER_ADDR`` in its first round only.
 * ``--nnodes 1:2``: host 1 joins a running one-worker group; the group of two resumes the
   one-worker checkpoint with the bits of a plain two-worker resume of it.
+* three hosts, ``--nnodes 3``: host 1 replaced as above; bit-identical.
 
 Every wait is on a file or a process, with a timeout; none sleeps for a set time.
 """
@@ -31,9 +32,9 @@ from elastic_runs import (
     elastic,
     finish,
     host_agent,
+    hosts,
     kill_all,
     lose_host,
-    two_hosts,
     wait_held,
     wait_log,
 )
@@ -79,7 +80,7 @@ def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(
     # agent included) is SIGKILLed; host 0's agent restarts alone and folds the 2-worker
     # step-20 checkpoint into 1 worker; the task's target: the held-out loss within 5% of an
     # uninterrupted run's at the smaller size
-    with two_hosts() as cl:
+    with hosts() as cl:
         procs = [host_agent(cl, i, tmp_path, "1:2", f"agent{i}.log", **(HOLD if i else {}))
                  for i in (0, 1)]
         with killed_on_error(procs):
@@ -103,7 +104,7 @@ def test_hosts_workers_of_a_node_lost_fixed_size_bit_identical(
     # --nnodes 2: host 1's worker SIGKILLs itself before step 25 (its agent lives); both agents
     # restart the group (the rendezvous is full, so host 1's agent waits as a redundant node and
     # host 0's counts its own worker's failure: both in attempt 1), which resumes from step 20
-    with two_hosts() as cl:
+    with hosts() as cl:
         logs = finish([host_agent(cl, i, tmp_path, "2", f"agent{i}.log",
                                   **({"GP_KILL_AT": "25", "GP_KILL_RANK": "any"} if i else {}))
                        for i in (0, 1)],
@@ -115,33 +116,47 @@ def test_hosts_workers_of_a_node_lost_fixed_size_bit_identical(
     assert [r["param_hash"] for r in runs] == [want, want]
 
 
-def replace_host_1(tmp_path: Path, want: str, conf: str = RDZV_CONF, **env: str) -> None:
-    """--nnodes 2: host 1's worker holds before step 25, every process of host 1 is SIGKILLed,
-    a new agent is started on host 1; both workers of the new group must end on ``want``."""
-    with two_hosts() as cl:
-        procs = [host_agent(cl, i, tmp_path, "2", f"agent{i}.log", conf, **env,
-                            **(HOLD if i else {"LOGLEVEL": "INFO"}))
-                 for i in (0, 1)]
+def replace_host_1(tmp_path: Path, want: str, conf: str = RDZV_CONF, n: int = 2,
+                   **env: str) -> None:
+    """--nnodes N (``n`` hosts): host 1's worker holds before step 25, every process of host 1
+    is SIGKILLed, a new agent is started on host 1; every worker of the new group must end on
+    ``want``."""
+    survivors = [i for i in range(n) if i != 1]
+    with hosts(n) as cl:
+        procs = [host_agent(cl, i, tmp_path, str(n), f"agent{i}.log", conf, **env,
+                            **(HOLD if i == 1 else {"LOGLEVEL": "INFO"}))
+                 for i in range(n)]
         with killed_on_error(procs):
             lose_host(cl, 1, procs, tmp_path)
-            # host 0's worker names the lost peer and exits; its agent counts a restart and
-            # waits in the rendezvous for a second node; the new agent's restart count is 0
-            wait_log(tmp_path / "agent0.log", "Worker group FAILED", procs[:1])
-            procs.append(host_agent(cl, 1, tmp_path, "2", "agent1-new.log", conf, **env))
-            rc = procs[2].wait(timeout=150)  # the replacement first: where torch's agent hangs
+            # the survivors' workers name the lost peer and exit; their agents count a restart
+            # and wait in the rendezvous for another node; the new agent's restart count is 0
+            for i in survivors:
+                wait_log(tmp_path / f"agent{i}.log", "Worker group FAILED", procs[i:i + 1])
+            procs.append(host_agent(cl, 1, tmp_path, str(n), "agent1-new.log", conf, **env))
+            rc = procs[-1].wait(timeout=150)  # the replacement first: where torch's agent hangs
             assert rc == 0, f"the replacement agent exited {rc}: {logs_text(tmp_path)}"
         finish(procs, tmp_path)
-    assert procs[0].returncode == 0, logs_text(tmp_path)
-    runs = results(tmp_path / "out", 2)
-    assert sorted((r["start"], r["attempt"]) for r in runs) == [(20, 0), (20, 1)], \
+    assert [procs[i].returncode for i in survivors] == [0] * (n - 1), logs_text(tmp_path)
+    runs = results(tmp_path / "out", n)
+    assert sorted((r["start"], r["attempt"]) for r in runs) == [(20, 0)] + [(20, 1)] * (n - 1), \
         logs_text(tmp_path)
-    assert [r["param_hash"] for r in runs] == [want, want], logs_text(tmp_path)
+    assert [r["param_hash"] for r in runs] == [want] * n, logs_text(tmp_path)
 
 
 @pytest.mark.cluster
 def test_hosts_replacement_node_fixed_size_bit_identical(
         tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
     replace_host_1(tmp_path, uninterrupted[1][0]["param_hash"], **OWN_STORE)
+
+
+@pytest.mark.cluster
+def test_three_hosts_replacement_of_the_middle_node_bit_identical(tmp_path: Path) -> None:
+    # three hosts, --nnodes 3: host 1 (neither the rendezvous's host nor the last) replaced;
+    # the reference: three workers under one agent, uninterrupted
+    elastic(3, tmp_path / "ref-ckpt", tmp_path / "ref-out")
+    want = results(tmp_path / "ref-out", 3)[0]["param_hash"]
+    (tmp_path / "run").mkdir()
+    replace_host_1(tmp_path / "run", want, n=3, **OWN_STORE)
 
 
 @pytest.mark.cluster
@@ -161,7 +176,7 @@ def test_hosts_node_joins_running_group_bit_identical(tmp_path: Path) -> None:
     # --nnodes 1:2: host 0 trains alone and holds before step 25 (the 1-worker checkpoint of
     # step 20 saved); then host 1's agent starts, host 0's agent sees a waiting node and
     # restarts its worker, and the group of two resumes step-20 under the resize rule
-    with two_hosts() as cl:
+    with hosts() as cl:
         procs = [host_agent(cl, 0, tmp_path, "1:2", "agent0.log", JOIN_CONF, **OWN_STORE,
                             **HOLD)]
         with killed_on_error(procs):
