@@ -51,12 +51,12 @@ def hosts(n: int = 2) -> Iterator[netem.EmulatedCluster]:
 
 
 def host_agent(cl: netem.EmulatedCluster, i: int, tmp: Path, nnodes: str, log: str,
-               conf: str = RDZV_CONF, **env: str) -> subprocess.Popen:
-    """A torchrun agent (one worker) on host ``i``, the c10d rendezvous (options ``conf``) on
-    host 0's address; its output goes to ``tmp/LOG``."""
+               conf: str = RDZV_CONF, nproc: int = 1, **env: str) -> subprocess.Popen:
+    """A torchrun agent (``nproc`` workers) on host ``i``, the c10d rendezvous (options
+    ``conf``) on host 0's address; its output goes to ``tmp/LOG``."""
     cmd = cl.hosts[i].cmd([
         sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
-        "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
+        "--nproc-per-node", str(nproc), "--max-restarts", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"{cl.addresses[0]}:29400", "--local-addr", cl.addresses[i],
         "--rdzv-conf", f"{conf},is_host={'true' if i == 0 else 'false'}",
         "--monitor-interval", "0.5", str(SCRIPT), "--steps", str(STEPS), "--ckpt",

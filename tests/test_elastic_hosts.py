@@ -11,7 +11,8 @@ worker each, examples/torchrun_elastic.py, the c10d rendezvous on host 0's addre
   mode a strict xfail: torch 2.13's agent publishes ``MASTER_ADDR`` in its first round only.
 * ``--nnodes 1:2``: host 1 joins a running one-worker group; the group of two resumes the
   one-worker checkpoint with the bits of a plain two-worker resume of it.
-* three hosts, ``--nnodes 3``: host 1 replaced as above; bit-identical.
+* three hosts, ``--nnodes 3``, and two hosts of two workers each: host 1 replaced as above;
+  bit-identical.
 
 Every wait is on a file or a process, with a timeout; none sleeps for a set time.
 """
@@ -117,13 +118,13 @@ def test_hosts_workers_of_a_node_lost_fixed_size_bit_identical(
 
 
 def replace_host_1(tmp_path: Path, want: str, conf: str = RDZV_CONF, n: int = 2,
-                   **env: str) -> None:
-    """--nnodes N (``n`` hosts): host 1's worker holds before step 25, every process of host 1
-    is SIGKILLed, a new agent is started on host 1; every worker of the new group must end on
-    ``want``."""
+                   nproc: int = 1, **env: str) -> None:
+    """--nnodes N (``n`` hosts of ``nproc`` workers): host 1's worker(s) hold before step 25,
+    every process of host 1 is SIGKILLed, a new agent is started on host 1; every worker of the
+    new group must end on ``want``."""
     survivors = [i for i in range(n) if i != 1]
     with hosts(n) as cl:
-        procs = [host_agent(cl, i, tmp_path, str(n), f"agent{i}.log", conf, **env,
+        procs = [host_agent(cl, i, tmp_path, str(n), f"agent{i}.log", conf, nproc, **env,
                             **(HOLD if i == 1 else {"LOGLEVEL": "INFO"}))
                  for i in range(n)]
         with killed_on_error(procs):
@@ -132,15 +133,16 @@ def replace_host_1(tmp_path: Path, want: str, conf: str = RDZV_CONF, n: int = 2,
             # and wait in the rendezvous for another node; the new agent's restart count is 0
             for i in survivors:
                 wait_log(tmp_path / f"agent{i}.log", "Worker group FAILED", procs[i:i + 1])
-            procs.append(host_agent(cl, 1, tmp_path, str(n), "agent1-new.log", conf, **env))
+            procs.append(host_agent(cl, 1, tmp_path, str(n), "agent1-new.log", conf, nproc,
+                                    **env))
             rc = procs[-1].wait(timeout=150)  # the replacement first: where torch's agent hangs
             assert rc == 0, f"the replacement agent exited {rc}: {logs_text(tmp_path)}"
         finish(procs, tmp_path)
     assert [procs[i].returncode for i in survivors] == [0] * (n - 1), logs_text(tmp_path)
-    runs = results(tmp_path / "out", n)
-    assert sorted((r["start"], r["attempt"]) for r in runs) == [(20, 0)] + [(20, 1)] * (n - 1), \
-        logs_text(tmp_path)
-    assert [r["param_hash"] for r in runs] == [want] * n, logs_text(tmp_path)
+    runs = results(tmp_path / "out", n * nproc)
+    assert sorted((r["start"], r["attempt"]) for r in runs) == \
+        [(20, 0)] * nproc + [(20, 1)] * (n - 1) * nproc, logs_text(tmp_path)
+    assert [r["param_hash"] for r in runs] == [want] * n * nproc, logs_text(tmp_path)
 
 
 @pytest.mark.cluster
@@ -157,6 +159,16 @@ def test_three_hosts_replacement_of_the_middle_node_bit_identical(tmp_path: Path
     want = results(tmp_path / "ref-out", 3)[0]["param_hash"]
     (tmp_path / "run").mkdir()
     replace_host_1(tmp_path / "run", want, n=3, **OWN_STORE)
+
+
+@pytest.mark.cluster
+def test_hosts_replacement_node_two_workers_each_bit_identical(tmp_path: Path) -> None:
+    # two hosts of two workers each (--nproc-per-node 2), host 1 replaced; the reference: four
+    # workers under one agent, uninterrupted
+    elastic(4, tmp_path / "ref-ckpt", tmp_path / "ref-out")
+    want = results(tmp_path / "ref-out", 4)[0]["param_hash"]
+    (tmp_path / "run").mkdir()
+    replace_host_1(tmp_path / "run", want, nproc=2, **OWN_STORE)
 
 
 @pytest.mark.cluster
