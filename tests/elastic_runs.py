@@ -51,19 +51,47 @@ def hosts(n: int = 2) -> Iterator[netem.EmulatedCluster]:
 
 
 def host_agent(cl: netem.EmulatedCluster, i: int, tmp: Path, nnodes: str, log: str,
-               conf: str = RDZV_CONF, nproc: int = 1, **env: str) -> subprocess.Popen:
+               conf: str = RDZV_CONF, nproc: int = 1, rdzv: int = 0,
+               **env: str) -> subprocess.Popen:
     """A torchrun agent (``nproc`` workers) on host ``i``, the c10d rendezvous (options
-    ``conf``) on host 0's address; its output goes to ``tmp/LOG``."""
+    ``conf``) on host ``rdzv``'s address (its agent hosts the store; see :func:`rdzv_store`
+    for a host without an agent); its output goes to ``tmp/LOG``."""
     cmd = cl.hosts[i].cmd([
         sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
         "--nproc-per-node", str(nproc), "--max-restarts", "2", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{cl.addresses[0]}:29400", "--local-addr", cl.addresses[i],
-        "--rdzv-conf", f"{conf},is_host={'true' if i == 0 else 'false'}",
+        "--rdzv-endpoint", f"{cl.addresses[rdzv]}:29400", "--local-addr", cl.addresses[i],
+        "--rdzv-conf", f"{conf},is_host={'true' if i == rdzv else 'false'}",
         "--monitor-interval", "0.5", str(SCRIPT), "--steps", str(STEPS), "--ckpt",
         str(tmp / "ckpt"), "--out", str(tmp / "out")])
     with open(tmp / log, "w") as f:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=run_env(
             GRADPRESS_TIMEOUT="30", GLOO_SOCKET_IFNAME=cl.device, **env))
+
+
+STORE_SERVER = """
+import datetime, pathlib, signal, sys
+import torch.distributed as dist
+store = dist.TCPStore(sys.argv[1], 29400, None, True, timeout=datetime.timedelta(seconds=120),
+                      wait_for_workers=False)
+pathlib.Path(sys.argv[2]).touch()
+while True:  # until killed
+    signal.pause()
+"""
+
+
+def rdzv_store(cl: netem.EmulatedCluster, i: int, tmp: Path) -> subprocess.Popen:
+    """A TCP store alone on host ``i`` (port 29400) for the c10d rendezvous of agents on other
+    hosts (a rendezvous host that outlives the job); returns once it listens."""
+    ready = tmp / "store-ready"
+    p = subprocess.Popen(cl.hosts[i].cmd([sys.executable, "-c", STORE_SERVER, cl.addresses[i],
+                                          str(ready)]), cwd=ROOT, env=run_env())
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if p.poll() is not None or time.monotonic() > deadline:
+            kill_all([p])
+            pytest.fail(f"the rendezvous store on host {i} did not start ({p.returncode})")
+        time.sleep(0.05)
+    return p
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:
@@ -113,13 +141,14 @@ def wait_log(log: Path, text: str, procs: list[subprocess.Popen], timeout: float
 
 
 def lose_host(cl: netem.EmulatedCluster, i: int, procs: list[subprocess.Popen],
-              tmp: Path) -> None:
+              tmp: Path) -> str:
     """Wait until host ``i``'s worker holds (``GP_HOLD_AT``), then SIGKILL every process of
-    host ``i``, its agent ``procs[i]`` included."""
-    wait_held(procs, tmp)
+    host ``i``, its agent ``procs[i]`` included; the name of the file it held on."""
+    held = wait_held(procs, tmp).name
     pids = subprocess.run(["ip", "netns", "pids", cl.hosts[i].name], capture_output=True,
                           text=True, check=True).stdout.split()
     assert str(procs[i].pid) in pids and len(pids) >= 2, pids  # the agent, its worker
     for pid in pids:
         os.kill(int(pid), signal.SIGKILL)
     assert procs[i].wait(timeout=10) == -signal.SIGKILL
+    return held

@@ -13,6 +13,8 @@ worker each, examples/torchrun_elastic.py, the c10d rendezvous on host 0's addre
   one-worker checkpoint with the bits of a plain two-worker resume of it.
 * three hosts, ``--nnodes 3``, and two hosts of two workers each: host 1 replaced as above;
   bit-identical.
+* host 0 replaced (its worker world rank 0, which hosts gradpress's store), the rendezvous on a
+  third host without an agent: bit-identical.
 
 Every wait is on a file or a process, with a timeout; none sleeps for a set time.
 """
@@ -36,6 +38,7 @@ from elastic_runs import (
     hosts,
     kill_all,
     lose_host,
+    rdzv_store,
     wait_held,
     wait_log,
 )
@@ -117,38 +120,46 @@ def test_hosts_workers_of_a_node_lost_fixed_size_bit_identical(
     assert [r["param_hash"] for r in runs] == [want, want]
 
 
-def replace_host_1(tmp_path: Path, want: str, conf: str = RDZV_CONF, n: int = 2,
-                   nproc: int = 1, **env: str) -> None:
-    """--nnodes N (``n`` hosts of ``nproc`` workers): host 1's worker(s) hold before step 25,
-    every process of host 1 is SIGKILLed, a new agent is started on host 1; every worker of the
-    new group must end on ``want``."""
-    survivors = [i for i in range(n) if i != 1]
-    with hosts(n) as cl:
-        procs = [host_agent(cl, i, tmp_path, str(n), f"agent{i}.log", conf, nproc, **env,
-                            **(HOLD if i == 1 else {"LOGLEVEL": "INFO"}))
-                 for i in range(n)]
+def replace_host(tmp_path: Path, want: str, conf: str = RDZV_CONF, n: int = 2,
+                 nproc: int = 1, lost: int = 1, **env: str) -> str:
+    """--nnodes N (``n`` hosts of ``nproc`` workers, one agent each): host ``lost``'s worker(s)
+    hold before step 25, every process of that host is SIGKILLed, a new agent is started there;
+    every worker of the new group must end on ``want``. With ``lost=0`` a host ``n`` without an
+    agent serves the rendezvous (:func:`rdzv_store`), else host 0's agent does. Returns the
+    file the lost host's worker held on (``held-rank<r>``: its rank)."""
+    survivors = [i for i in range(n) if i != lost]
+    rdzv = n if lost == 0 else 0
+    with hosts(n + (lost == 0)) as cl:
+        procs = [rdzv_store(cl, n, tmp_path)] if lost == 0 else []
+        agents = [host_agent(cl, i, tmp_path, str(n), f"agent{i}.log", conf, nproc, rdzv, **env,
+                             **(HOLD if i == lost else {"LOGLEVEL": "INFO"}))
+                  for i in range(n)]
+        procs[:0] = agents
         with killed_on_error(procs):
-            lose_host(cl, 1, procs, tmp_path)
+            held = lose_host(cl, lost, procs, tmp_path)
             # the survivors' workers name the lost peer and exit; their agents count a restart
             # and wait in the rendezvous for another node; the new agent's restart count is 0
             for i in survivors:
                 wait_log(tmp_path / f"agent{i}.log", "Worker group FAILED", procs[i:i + 1])
-            procs.append(host_agent(cl, 1, tmp_path, str(n), "agent1-new.log", conf, nproc,
-                                    **env))
-            rc = procs[-1].wait(timeout=150)  # the replacement first: where torch's agent hangs
+            new = host_agent(cl, lost, tmp_path, str(n), f"agent{lost}-new.log", conf, nproc,
+                             rdzv, **env)
+            procs.append(new)
+            rc = new.wait(timeout=150)  # the replacement first: where torch's agent hangs
             assert rc == 0, f"the replacement agent exited {rc}: {logs_text(tmp_path)}"
-        finish(procs, tmp_path)
-    assert [procs[i].returncode for i in survivors] == [0] * (n - 1), logs_text(tmp_path)
+        finish([*agents, new], tmp_path)
+        kill_all(procs)  # the rendezvous store, if any
+    assert [agents[i].returncode for i in survivors] == [0] * (n - 1), logs_text(tmp_path)
     runs = results(tmp_path / "out", n * nproc)
     assert sorted((r["start"], r["attempt"]) for r in runs) == \
         [(20, 0)] * nproc + [(20, 1)] * (n - 1) * nproc, logs_text(tmp_path)
     assert [r["param_hash"] for r in runs] == [want] * n * nproc, logs_text(tmp_path)
+    return held
 
 
 @pytest.mark.cluster
 def test_hosts_replacement_node_fixed_size_bit_identical(
         tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
-    replace_host_1(tmp_path, uninterrupted[1][0]["param_hash"], **OWN_STORE)
+    replace_host(tmp_path, uninterrupted[1][0]["param_hash"], **OWN_STORE)
 
 
 @pytest.mark.cluster
@@ -158,7 +169,7 @@ def test_three_hosts_replacement_of_the_middle_node_bit_identical(tmp_path: Path
     elastic(3, tmp_path / "ref-ckpt", tmp_path / "ref-out")
     want = results(tmp_path / "ref-out", 3)[0]["param_hash"]
     (tmp_path / "run").mkdir()
-    replace_host_1(tmp_path / "run", want, n=3, **OWN_STORE)
+    replace_host(tmp_path / "run", want, n=3, **OWN_STORE)
 
 
 @pytest.mark.cluster
@@ -168,7 +179,17 @@ def test_hosts_replacement_node_two_workers_each_bit_identical(tmp_path: Path) -
     elastic(4, tmp_path / "ref-ckpt", tmp_path / "ref-out")
     want = results(tmp_path / "ref-out", 4)[0]["param_hash"]
     (tmp_path / "run").mkdir()
-    replace_host_1(tmp_path / "run", want, nproc=2, **OWN_STORE)
+    replace_host(tmp_path / "run", want, nproc=2, **OWN_STORE)
+
+
+@pytest.mark.cluster
+def test_hosts_replacement_of_world_rank_0_node_bit_identical(
+        tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
+    # host 0 replaced, its worker world rank 0 (the rendezvous orders nodes by --local-addr):
+    # the process that hosts gradpress's store; the rendezvous on a third host without an
+    # agent, which outlives the job
+    held = replace_host(tmp_path, uninterrupted[1][0]["param_hash"], lost=0, **OWN_STORE)
+    assert held == "held-rank0"
 
 
 @pytest.mark.cluster
@@ -180,7 +201,7 @@ def test_hosts_replacement_node_two_workers_each_bit_identical(tmp_path: Path) -
 def test_hosts_replacement_node_default_store_mode(
         tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
     # read_timeout=15: the replacement agent's wait for MASTER_ADDR fails after 15 s, not 60
-    replace_host_1(tmp_path, uninterrupted[1][0]["param_hash"], f"{RDZV_CONF},read_timeout=15")
+    replace_host(tmp_path, uninterrupted[1][0]["param_hash"], f"{RDZV_CONF},read_timeout=15")
 
 
 @pytest.mark.cluster
