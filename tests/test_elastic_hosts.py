@@ -49,7 +49,8 @@ from helpers import results
 #: publishes its address in every round of the rendezvous), and one job secret on every node,
 #: the replacement's or the joining node's included.
 OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GRADPRESS_SECRET": "elastic-hosts"}
-#: A loaded machine (2 shared cores) misses keep-alives: a joining node waits longer.
+#: The join test's rendezvous: with keep_alive_max_attempt=2 the joining agent once formed a
+#: group of its own, the running agent dropped (docs/integrations.md).
 JOIN_CONF = RDZV_CONF.replace("keep_alive_max_attempt=2", "keep_alive_max_attempt=10")
 HOLD = {"GP_HOLD_AT": "25", "GP_KILL_RANK": "any"}
 
