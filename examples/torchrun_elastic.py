@@ -1,8 +1,10 @@
 """A plain PyTorch script with gradpress that recovers under torchrun's elastic agent
 (docs/integrations.md, "Recovery with torchrun"):
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # several nodes: a new node's agent finds it
     torchrun --nnodes 1:2 --nproc-per-node 4 --max-restarts 3 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29400 examples/torchrun_elastic.py --ckpt /shared/ckpt
+        --rdzv-endpoint HOST:29400 --local-addr THIS_NODE_ADDR examples/torchrun_elastic.py \\
+        --ckpt /shared/ckpt
 
 Every ``--every`` steps it saves a checkpoint into ``CKPT/step-<N>`` (``gradpress.checkpoint.
 save``: parameters, optimizer, every worker's and server's residuals, RNG, and as ``extra`` the
@@ -20,7 +22,8 @@ that worker SIGKILL itself before that step in torchrun's first attempt only
 (``TORCHELASTIC_RESTART_COUNT=0``): the failure the tests inject; with ``GP_KILL_AGENT=1`` it
 SIGKILLs its torchrun agent first (a node lost). ``GP_HOLD_AT=STEP`` instead makes it write
 ``OUT/held-rank<r>`` and wait there to be killed from outside (the tests kill every process of
-its "node").
+its "node", or a node joins and its agent restarts the group), once per ``OUT``: an agent that
+restarts its workers for a joining node does not count a restart.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def maybe_die(step: int, out: str | None) -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" \
             or (who != "any" and gp.rank() != int(who)):
         return
-    if out and step == int(os.environ.get("GP_HOLD_AT", "-1")):
+    if out and step == int(os.environ.get("GP_HOLD_AT", "-1")) \
+            and not any(Path(out).glob("held-rank*")):  # once per OUT
         print(f"worker {gp.rank()}: holding before step {step}", flush=True)
         os.makedirs(out, exist_ok=True)
         Path(out, f"held-rank{gp.rank()}").touch()

@@ -13,9 +13,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+from elastic_runs import elastic
+from helpers import results
 
 
 @pytest.fixture
@@ -25,6 +29,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """examples/torchrun_elastic.py under torchrun, two workers, no failure: the checkpoints
+    and the results (tests/elastic_runs.py)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    elastic(2, root / "ckpt", root / "out")
+    return root / "ckpt", results(root / "out", 2)
 
 
 def _is_python(args: object, executable: object) -> bool:

@@ -2,27 +2,20 @@
 examples/torchrun_elastic.py with c10d rendezvous on 127.0.0.1; a worker SIGKILLed in the first
 attempt, the group restarted by the agent, resumed from the newest checkpoint and bit-identical to
 a run that was not killed; two agents of ``--nnodes 1:2``, one killed with its worker (a node
-lost), the other going on alone. The same on two hosts (network namespaces joined by veth pairs,
-gradpress.train.netem): every process of one host SIGKILLed from outside, the other completing
-under the fold rule; at a fixed size a host's worker lost, bit-identical. A checkpoint
-resumed by fewer and by more workers (the resize rule of gradpress.elastic), and refused under
-``resize="refuse"``; ``gradpress train`` script mode with checkpoints and ``--max-restarts``.
-Also the rule itself on state dicts, the attempt that scopes the store keys and the roll call."""
+lost), the other going on alone. A checkpoint resumed by fewer and by more workers (the resize
+rule of gradpress.elastic), and refused under ``resize="refuse"``; ``gradpress train`` script
+mode with checkpoints and ``--max-restarts``. Also the rule itself on state dicts, the attempt
+that scopes the store keys and the roll call. Two emulated hosts: tests/test_elastic_hosts.py."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import os
-import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,38 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_runs import SCRIPT, STEPS, elastic
 from gradpress.elastic import ResizeEvent, check_rule, fold_states, reset_state
 from gradpress.ps.cluster import store_prefix
 from gradpress.ps.config import ClusterConfig
 from gradpress.ps.errors import GradpressError
 from gradpress.ps.rollcall import PREFIX, roll_call
-from gradpress.train import netem
 from helpers import ROOT, free_port, results, run_env
-
-SCRIPT = ROOT / "examples" / "torchrun_elastic.py"
-STEPS = 40
-
-
-def elastic(nproc: int, ckpt: Path, out: Path, *args: str, restarts: int = 2,
-            expect: int = 0, **env: str) -> str:
-    """torchrun (c10d rendezvous, ``--max-restarts``) of the example; its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-           str(nproc), "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT), "--steps", str(STEPS),
-           "--ckpt", str(ckpt), "--out", str(out), *args]
-    p = subprocess.run(cmd, env=run_env(GRADPRESS_TIMEOUT="30", **env), cwd=ROOT,
-                       capture_output=True, text=True, timeout=150)
-    text = p.stdout + p.stderr
-    assert p.returncode == expect, f"exit {p.returncode}, expected {expect}:\n{text[-6000:]}"
-    return text
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """Two workers, no failure: the checkpoints and the results."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    elastic(2, root / "ckpt", root / "out")
-    return root / "ckpt", results(root / "out", 2)
 
 
 @pytest.mark.cluster
@@ -155,110 +123,6 @@ def test_refuse_names_both_layouts(tmp_path: Path,
            "servers" in text, text[-3000:]
 
 
-# -- two hosts: network namespaces joined by veth pairs ------------------------------------
-RDZV_CONF = "last_call_timeout=2,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
-
-
-@contextlib.contextmanager
-def two_hosts() -> Iterator[netem.EmulatedCluster]:
-    """Two network namespaces ("nodes") joined by veth pairs to a bridge (no rate limit)."""
-    try:
-        netem.check_environment()
-    except netem.NetemError as e:  # not a skip: the test needs what the sandbox must have
-        pytest.fail(f"two emulated hosts need root and `ip netns` (gradpress.train.netem): {e}")
-    with netem.emulated_cluster(2, None) as cl:
-        yield cl
-
-
-def host_agent(cl: netem.EmulatedCluster, i: int, tmp: Path, nnodes: str, log: str,
-               **env: str) -> subprocess.Popen:
-    """A torchrun agent (one worker) on host ``i``, the c10d rendezvous on host 0's address;
-    its output goes to ``tmp/LOG``."""
-    cmd = cl.hosts[i].cmd([
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes,
-        "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{cl.addresses[0]}:29400", "--local-addr", cl.addresses[i],
-        "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if i == 0 else 'false'}",
-        "--monitor-interval", "0.5", str(SCRIPT), "--steps", str(STEPS), "--ckpt",
-        str(tmp / "ckpt"), "--out", str(tmp / "out")])
-    with open(tmp / log, "w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=run_env(
-            GRADPRESS_TIMEOUT="30", GLOO_SOCKET_IFNAME=cl.device, **env))
-
-
-def finish(procs: list[subprocess.Popen], tmp: Path, timeout: float = 120) -> list[str]:
-    """Wait for every agent (killing what is left after ``timeout`` s); the logs of
-    ``tmp/*.log``, sorted by name."""
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"an agent was still running after {timeout} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [f.read_text() for f in sorted(tmp.glob("*.log"))]
-
-
-def lose_host_1(cl: netem.EmulatedCluster, procs: list[subprocess.Popen], tmp: Path) -> None:
-    """Wait until host 1's worker holds (``GP_HOLD_AT``), then SIGKILL every process of host 1,
-    its agent ``procs[1]`` included."""
-    held = tmp / "out" / "held-rank*"  # the rendezvous decides host 1's rank
-    deadline = time.monotonic() + 90
-    while not list(held.parent.glob(held.name)):
-        assert all(p.poll() is None for p in procs), f"an agent exited before {held} was " \
-            f"written: {[p.poll() for p in procs]}"
-        assert time.monotonic() < deadline, f"no {held} after 90 s"
-        time.sleep(0.05)
-    host1 = subprocess.run(["ip", "netns", "pids", cl.hosts[1].name], capture_output=True,
-                           text=True, check=True).stdout.split()
-    assert str(procs[1].pid) in host1 and len(host1) >= 2, host1  # the agent, its worker
-    for pid in host1:
-        os.kill(int(pid), signal.SIGKILL)
-    assert procs[1].wait(timeout=10) == -signal.SIGKILL
-
-
-@pytest.mark.cluster
-def test_hosts_node_lost_job_completes_on_the_other_with_the_fold_rule(tmp_path: Path) -> None:
-    # --nnodes 1:2: host 1's worker waits before step 25; then every process of host 1 (its
-    # agent included) is SIGKILLed; host 0's agent restarts alone and folds the 2-worker
-    # step-20 checkpoint into 1 worker
-    with two_hosts() as cl:
-        procs = [host_agent(cl, i, tmp_path, "1:2", f"agent{i}.log",
-                            **({"GP_HOLD_AT": "25", "GP_KILL_RANK": "any"} if i else {}))
-                 for i in (0, 1)]
-        lose_host_1(cl, procs, tmp_path)
-        logs = finish(procs, tmp_path)
-    assert procs[0].returncode == 0, logs[0][-6000:]
-    assert re.search(r"worker (\d) \+ server \1 \(rank \1\) is gone", logs[0]), logs[0][-3000:]
-    assert "this job has 1 workers and 1 servers: resize rule 'fold'" in logs[0], logs[0][-3000:]
-    (one,) = results(tmp_path / "out", 1)
-    assert (one["start"], one["size"], one["attempt"]) == (20, 1, 1)
-    assert one["resized"] == {"checkpoint": str((tmp_path / "ckpt" / "step-20").resolve()),
-                              "step": 20, "saved_workers": 2, "saved_servers": 2,
-                              "workers": 1, "servers": 1, "rule": "fold"}
-
-
-@pytest.mark.cluster
-def test_hosts_workers_of_a_node_lost_fixed_size_bit_identical(
-        tmp_path: Path, uninterrupted: tuple[Path, list[dict]]) -> None:
-    # --nnodes 2: host 1's worker SIGKILLs itself before step 25 (its agent lives); both agents
-    # restart the group (the rendezvous is full, so host 1's agent waits as a redundant node and
-    # host 0's counts its own worker's failure: both in attempt 1), which resumes from step 20
-    with two_hosts() as cl:
-        logs = finish([host_agent(cl, i, tmp_path, "2", f"agent{i}.log",
-                                  **({"GP_KILL_AT": "25", "GP_KILL_RANK": "any"} if i else {}))
-                           for i in (0, 1)],
-                      tmp_path)
-    assert re.search(r"worker \d: SIGKILL before step 25", logs[1]), logs[1][-3000:]
-    runs = results(tmp_path / "out", 2)
-    assert [(r["start"], r["attempt"]) for r in runs] == [(20, 1), (20, 1)], logs[0][-3000:]
-    want = uninterrupted[1][0]["param_hash"]
-    assert [r["param_hash"] for r in runs] == [want, want]
-
-
 # -- the rule on state dicts, the attempt ----------------------------------------------------
 def _engine(residual: list[float], step: int) -> dict:
     return {"format": 1, "tensors": {"w": {"signature": {"numel": 2}, "chunks": [
@@ -286,9 +150,15 @@ def test_fold_is_the_mean_and_reset_zeroes_only_tensors() -> None:
 
 
 def test_attempt_scopes_every_store_key() -> None:
-    env = {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "3"}
+    env = {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "3",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert ClusterConfig.from_env(env).attempt == 3
     assert ClusterConfig.from_env({**env, "GRADPRESS_ATTEMPT": "5"}).attempt == 5
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: world rank 0 hosts a fresh store at every start;
+    # the restart count differs between an old agent and a replacement node's (cause 2, #42)
+    own = {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert ClusterConfig.from_env(own).attempt == 0 and not ClusterConfig.from_env(own).roll_call
+    assert ClusterConfig.from_env({**own, "GRADPRESS_ATTEMPT": "2"}).attempt == 2
     assert ClusterConfig.from_env({"WORLD_SIZE": "1"}).attempt == 0
     assert store_prefix(3) == "gradpress/3/" != store_prefix(0)
     with pytest.raises(ValueError, match="attempt must be an int >= 0"):

@@ -205,7 +205,8 @@ class ClusterConfig:
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``GRADPRESS_ROLE``,
     ``GRADPRESS_NUM_SERVERS``, ``GRADPRESS_COLOCATE``, ``GRADPRESS_NNODES``,
     ``GRADPRESS_STORE_HOSTED``, ``GRADPRESS_SECRET``, and the attempt: ``GRADPRESS_ATTEMPT``,
-    else torchrun's ``TORCHELASTIC_RESTART_COUNT`` (under torchrun's agent store: a roll call).
+    else, where another process hosts the store, torchrun's ``TORCHELASTIC_RESTART_COUNT``
+    (under torchrun's agent store: a roll call), else 0.
     Without any of them it describes a single
     colocated process.
     """
@@ -236,9 +237,11 @@ class ClusterConfig:
     #: The job secret every process proves at rendezvous (``GRADPRESS_SECRET``; None: the job
     #: is not authenticated). Never printed. See :mod:`gradpress.ps.auth`.
     secret: str | None = field(default=None, repr=False)
-    #: Which start of the job this is: torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``)
-    #: or ``GRADPRESS_ATTEMPT``. Every store key of gradpress is scoped to it, so a restarted
-    #: group never reads what an earlier attempt left in a store that outlived it.
+    #: Which start of the job this is: ``GRADPRESS_ATTEMPT``, or torchrun's restart count
+    #: (``TORCHELASTIC_RESTART_COUNT``) where another process hosts the store; 0 where world
+    #: rank 0 hosts it (a fresh store at every start). Every store key of gradpress is scoped
+    #: to it, so a restarted group never reads what an earlier attempt left in a store that
+    #: outlived it.
     attempt: int = 0
     #: Whether the processes agree on the attempt by a roll call instead
     #: (:mod:`gradpress.ps.rollcall`): under torchrun's agent store without
@@ -300,8 +303,11 @@ class ClusterConfig:
         hosted = env.get("GRADPRESS_STORE_HOSTED") or env.get("TORCHELASTIC_USE_AGENT_STORE", "")
         vals["store_hosted"] = _parse_bool("GRADPRESS_STORE_HOSTED", hosted)
         vals["secret"] = env.get("GRADPRESS_SECRET") or None
-        vals["attempt"] = int(env.get("GRADPRESS_ATTEMPT")
-                              or env.get("TORCHELASTIC_RESTART_COUNT") or "0")
+        # a store that world rank 0 hosts is new at every start and holds nothing of an
+        # earlier attempt; torchrun's restart count (which differs between an old agent and a
+        # replacement node's new one) must not name its keys then
+        restarts = env.get("TORCHELASTIC_RESTART_COUNT") if vals["store_hosted"] else None
+        vals["attempt"] = int(env.get("GRADPRESS_ATTEMPT") or restarts or "0")
         vals["roll_call"] = bool(vals["store_hosted"] and "TORCHELASTIC_RESTART_COUNT" in env
                                  and not env.get("GRADPRESS_ATTEMPT"))
         vals.update(overrides)
