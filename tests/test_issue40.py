@@ -1,0 +1,52 @@
+"""benchmarks/issue40.py: issue 40's targets computed from kept cluster.py records (synthetic
+records here: no root, no network)."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import issue40
+
+
+def _run(d: Path, steps: dict[str, float]) -> None:
+    d.mkdir(parents=True)
+    cpu = {"busy": 1.0, "busy_frac": 0.9, "sys": 0.1, "main": 0.8, "worker_other": 0.1,
+           "rest": 0.1}
+    speed = {s: {"median_s": v, "best_s": v, "iface_mb": 1.0, "cpu": cpu}
+             for s, v in steps.items()}
+    (d / "cluster.json").write_text(json.dumps({"results": {"speed": {d.name.split("-")[-2]:
+                                                                      speed}}}))
+    (d / "record.json").write_text(json.dumps({
+        "name": d.name, "command": "python benchmarks/cluster.py", "commit": "a" * 40,
+        "machine": {"cpu": "AMD EPYC", "cores": 2}, "started": "2026-12-06T12:00:00+00:00",
+        "load_before": [1.0, 1, 1], "load_after": [2.0, 1, 1], "exit_code": 0}))
+
+
+def test_targets_from_records(tmp_path: Path) -> None:
+    for i, ps in enumerate((0.22, 0.20, 0.30), 1):  # medians: PS 0.22, fp16 0.66, hook 0.2
+        _run(tmp_path / f"x-mlp-{i}", {"local": 0.1, "ddp-fp16": 0.66, "ddp-powersgd1": 0.3,
+                                       "gp-onebit": 0.25, "gp-onebit-coloc": ps,
+                                       "gp-ddp-hook": 0.2})
+    runs = issue40.load_runs("mlp", "x", tmp_path)
+    assert [r["name"] for r in runs] == ["x-mlp-1", "x-mlp-2", "x-mlp-3"]
+    rows = {(r[0], r[1]): r[2:] for r in issue40.target_rows({"mlp": runs})}
+    assert rows[("mlp: PS path at least 3x faster than DDP fp16", "gp-onebit-coloc")] == \
+        ["3.00x (runs 3.00, 3.30, 2.20)", "met"]
+    assert rows[("mlp: PS path at least 3x faster than DDP fp16", "gp-onebit")][1] == "not met"
+    assert rows[("tfm: PS path within 1.2x of the hook", "gp-onebit")] == ["-", "not run"]
+    t = issue40.results_table("mlp", runs)
+    assert t["id"] == "cluster-mlp" and len(t["commands"]) == 3
+    coloc = next(r for r in t["rows"] if "colocate" in r[0])
+    assert coloc[1:3] == ["0.220 (0.220, 0.200, 0.300)", "3.00x"]
+    assert "load average 1.0-2.0" in t["machine"]
+
+
+def test_within_target_is_the_inverse(tmp_path: Path) -> None:
+    for i in (1, 2, 3):
+        _run(tmp_path / f"x-tfm-{i}", {"ddp-fp16": 0.6, "gp-onebit": 0.6,
+                                       "gp-onebit-coloc": 0.5, "gp-ddp-hook": 0.4})
+    rows = {(r[0], r[1]): r[2:] for r in issue40.target_rows(
+        {"tfm": issue40.load_runs("tfm", "x", tmp_path)})}
+    assert rows[("tfm: PS path within 1.2x of the hook", "gp-onebit-coloc")][1] == "not met"
+    assert rows[("tfm: PS path within 1.2x of the hook", "gp-onebit")][0].startswith("1.50x")
