@@ -50,3 +50,31 @@ def test_within_target_is_the_inverse(tmp_path: Path) -> None:
         {"tfm": issue40.load_runs("tfm", "x", tmp_path)})}
     assert rows[("tfm: PS path within 1.2x of the hook", "gp-onebit-coloc")][1] == "not met"
     assert rows[("tfm: PS path within 1.2x of the hook", "gp-onebit")][0].startswith("1.50x")
+
+
+def test_scaling_arguments_and_table() -> None:
+    import scaling
+
+    a = scaling.parse_args([])
+    assert a.workers == [2, 4, 6] and "gp-onebit-coloc" in a.systems and a.model == "mlp"
+    for bad in (["--workers", "1,2"], ["--workers", "x"], ["--systems", "nope"]):
+        try:
+            scaling.parse_args(bad)
+        except SystemExit:
+            continue
+        raise AssertionError(bad)
+    res = {2: {"ddp-fp16": {"median_s": 0.6, "best_s": 0.5},
+               "gp-onebit-coloc": {"median_s": 0.2, "best_s": 0.2},
+               "gp-ddp-hook": {"median_s": 0.2, "best_s": 0.2}}}
+    rows = scaling.rows(res, {2: {"baseline": 0.5, "compressed": 0.1}})
+    assert rows[2].endswith("| 0.600 (0.500) | 0.500 | 1.20 |")
+    assert rows[3].startswith("| 2 | 2 |") and rows[3].endswith("| 0.100 | 2.00 |")
+    assert rows[4].endswith("| - | - |")  # the hook: no model in the simulator
+
+
+def test_scaling_simulator_model_of_the_mlp() -> None:
+    import scaling
+
+    m = scaling.sim_model("mlp")
+    assert m.num_params == 25_185_290 and len(m.ops) == 4
+    assert scaling.sim_model("tfm") is None  # not made of linear layers only
