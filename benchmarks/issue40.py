@@ -144,6 +144,54 @@ def target_rows(all_runs: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
     return out
 
 
+def vgg_rows(runs: list[dict[str, Any]], published: dict[str, str]) -> list[list[str]]:
+    """The VGG row of the README (onebit's and PowerSGD rank 4's speed-up over DDP fp32) and
+    onebit's step over the floor: median over the runs (per run), beside the published
+    figure of the cluster-vgg table."""
+    out = []
+    for s in ("gp-onebit", "gp-onebit-coloc", "ddp-powersgd", "gp-ddp-hook"):
+        if s not in systems_of(runs) or "ddp-fp32" not in systems_of(runs):
+            continue
+        med, per = ratio(runs, "ddp-fp32", s)
+        pub = published.get(s, "-")
+        verdict = "-" if pub == "-" else \
+            ("at or above the published" if round(med, 2) >= float(pub.rstrip("x"))
+             else "below the published")
+        out.append([f"vgg: {s} speed-up vs DDP fp32", f"{med:.2f}x (runs "
+                    f"{', '.join(f'{x:.2f}' for x in per)})", pub, verdict])
+    if "local" in systems_of(runs) and "gp-onebit" in systems_of(runs):
+        med, per = ratio(runs, "gp-onebit", "local")
+        out.append(["vgg: gp-onebit step / compute floor", f"{med:.2f}x (runs "
+                    f"{', '.join(f'{x:.2f}' for x in per)})", "at most 1.35x (issue 27)",
+                    "met" if med <= 1.35 else "not met"])
+    return out
+
+
+def push_pull_runs(prefix: str, records: Path = RECORDS) -> list[tuple[str, float]]:
+    """``(record, onebit's speed-up over none of the median steps, as push_pull.py printed
+    it)`` of each ``push_pull.py --parts a --json`` record ``<prefix>-N``."""
+    import re
+
+    out = []
+    for d in sorted(records.glob(f"{prefix}-*"), key=lambda p: p.name):
+        rows = json.loads((d / "push_pull.json").read_text())
+        found = [re.search(r"\(median ([0-9.]+)x\)", r[3]) for r in rows
+                 if r[0] == "(a) onebit"]
+        if len(found) != 1 or found[0] is None:
+            raise ValueError(f"{d}: no '(a) onebit' row with a median speed-up")
+        out.append((d.name, float(found[0].group(1))))
+    return out
+
+
+def push_pull_row(runs: list[tuple[str, float]]) -> list[str]:
+    """The 25 MB push_pull target: onebit at least 25x faster than none (medians)."""
+    per = [x for _, x in runs]
+    med = statistics.median(per)
+    return ["push_pull 25 MB: onebit's speed-up over none (median steps)", f"{med:.1f}x (runs "
+            f"{', '.join(f'{x:.1f}' for x in per)})", "at least 25x (issue 27)",
+            "met" if med >= 25 else "not met"]
+
+
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
             *("| " + " | ".join(r) + " |" for r in rows)]
@@ -216,6 +264,9 @@ def write_results(tables: list[dict[str, Any]], path: Path = RESULTS) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prefix", default="issue40-coloc", help="record names: PREFIX-MODEL-N")
+    p.add_argument("--checks-prefix", default="issue40",
+                   help="the no-regression records: PREFIX-vgg-N (cluster.py) and "
+                        "PREFIX-pushpull25-N (push_pull.py --parts a --tensors 1 --mib 24)")
     p.add_argument("--write-results", action="store_true",
                    help="put the cluster-MODEL tables into benchmarks/results/performance.json")
     args = p.parse_args(argv)
@@ -232,6 +283,25 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets of issue 40 (ratios of the medians over the runs; per run in brackets):\n")
     print("\n".join(table(["target", "PS system", "measured", "result"],
                           target_rows(all_runs))))
+    checks = []
+    vgg_runs = load_runs("vgg", args.checks_prefix)
+    if vgg_runs:
+        import readme_figures
+        import results_md
+
+        sections = results_md.load_results()
+        pub = {s: readme_figures.cell(sections, "cluster-vgg", "speed-up vs DDP fp32",
+                                      system=lbl)
+               for s, lbl in (("gp-onebit", "gradpress onebit"),
+                              ("ddp-powersgd", "DDP + PowerSGD hook (rank 4)"),
+                              ("gp-ddp-hook", "DDP + gradpress two-way onebit hook"))}
+        checks += vgg_rows(vgg_runs, pub)
+    if pp := push_pull_runs(f"{args.checks_prefix}-pushpull25"):
+        checks.append(push_pull_row(pp))
+    if checks:
+        print(f"\nno-regression checks ({args.checks_prefix}-vgg-N, "
+              f"{args.checks_prefix}-pushpull25-N):\n")
+        print("\n".join(table(["check", "measured", "published / target", "result"], checks)))
     if args.write_results:
         write_results([results_table(m, r) for m, r in all_runs.items()])
         print(f"\nwrote {', '.join(f'cluster-{m}' for m in all_runs)} into "
