@@ -3,6 +3,7 @@
 Run as root (network namespaces)::
 
     python benchmarks/scaling.py [--workers 2,4,6] [--model mlp] [--steps 5] [--json FILE]
+    python benchmarks/scaling.py --from W2.json W4.json W6.json   # one table of kept runs
 
 Steps:
 
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (3)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job (600)")
     p.add_argument("--json", help="also write the results as JSON to this file")
+    p.add_argument("--from", dest="from_json", nargs="+", metavar="JSON",
+                   help="measure nothing: print the table of these --json files together "
+                        "(e.g. the records of one W each)")
     args = p.parse_args(argv)
     try:
         args.workers = [int(w) for w in args.workers.split(",") if w]
@@ -148,8 +152,22 @@ def rows(results: dict[int, dict[str, dict]], preds: dict[int, dict[str, float]]
     return out
 
 
+def load(paths: list[str]) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, float]]]:
+    """The results and predictions of ``--json`` files, merged (by W)."""
+    results: dict[int, dict[str, dict]] = {}
+    preds: dict[int, dict[str, float]] = {}
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        results.update({int(w): r for w, r in doc["results"].items()})
+        preds.update({int(w): p for w, p in doc["simulated"].items()})
+    return dict(sorted(results.items())), preds
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        print("\n".join(rows(*load(args.from_json))))
+        return 0
     t0 = time.perf_counter()
     print(f"scaling: {args.model}, workers {args.workers}, {args.rate} per host, "
           f"{args.warmup} + {args.steps} steps; machine: {cluster.machine()}", flush=True)

@@ -78,3 +78,16 @@ def test_scaling_simulator_model_of_the_mlp() -> None:
     m = scaling.sim_model("mlp")
     assert m.num_params == 25_185_290 and len(m.ops) == 4
     assert scaling.sim_model("tfm") is None  # not made of linear layers only
+
+
+def test_scaling_table_from_kept_runs(tmp_path: Path, capsys) -> None:
+    import scaling
+
+    for w in (2, 4):
+        (tmp_path / f"w{w}.json").write_text(json.dumps({
+            "results": {str(w): {"gp-onebit-coloc": {"median_s": 0.1 * w, "best_s": 0.1}}},
+            "simulated": {str(w): {"baseline": 1.0, "compressed": 0.1}}}))
+    assert scaling.main(["--from", str(tmp_path / "w4.json"), str(tmp_path / "w2.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("| 2 | 2 |") and out[3].startswith("| 4 | 4 |")
+    assert out[3].endswith("| 0.400 (0.100) | 0.100 | 4.00 |")
