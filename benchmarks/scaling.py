@@ -152,6 +152,19 @@ def rows(results: dict[int, dict[str, dict]], preds: dict[int, dict[str, float]]
     return out
 
 
+def speedups(results: dict[int, dict[str, dict]]) -> list[str]:
+    """Per W: each gradpress system's speed-up over DDP + fp16 and PowerSGD rank 1."""
+    out = []
+    for w, res in results.items():
+        for system in ("gp-onebit", "gp-onebit-coloc", "gp-ddp-hook"):
+            if system not in res:
+                continue
+            ups = [f"{res[b]['median_s'] / res[system]['median_s']:.2f}x vs {cluster.LABELS[b]}"
+                   for b in ("ddp-fp16", "ddp-powersgd1") if b in res]
+            out.append(f"W={w} {system}: {', '.join(ups)}")
+    return out
+
+
 def load(paths: list[str]) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, float]]]:
     """The results and predictions of ``--json`` files, merged (by W)."""
     results: dict[int, dict[str, dict]] = {}
@@ -166,7 +179,8 @@ def load(paths: list[str]) -> tuple[dict[int, dict[str, dict]], dict[int, dict[s
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_json:
-        print("\n".join(rows(*load(args.from_json))))
+        results, preds = load(args.from_json)
+        print("\n".join([*rows(results, preds), "", *speedups(results)]))
         return 0
     t0 = time.perf_counter()
     print(f"scaling: {args.model}, workers {args.workers}, {args.rate} per host, "
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             results[w] = measure(args, w, Path(tmp))
             if model is not None and "local" in results[w]:
                 preds[w] = predict(model, w, args.rate, results[w]["local"]["median_s"])
-    print("\n" + "\n".join(rows(results, preds)))
+    print("\n" + "\n".join([*rows(results, preds), "", *speedups(results)]))
     print(f"total {time.perf_counter() - t0:.0f} s; load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
