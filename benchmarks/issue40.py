@@ -207,6 +207,24 @@ def push_pull_row(runs: list[tuple[str, float]]) -> list[str]:
             "met" if med >= 25 else "not met"]
 
 
+def push_pull_100_rows(prefix: str, published: str,
+                       records: Path = RECORDS) -> list[list[str]]:
+    """The results table's push_pull row (100 MiB, 25 x 4 MiB tensors): onebit's speed-up over
+    none as push_pull.py printed it (best steps, medians in brackets), one row per record
+    ``<prefix>-N``, beside the published cell."""
+    out = []
+    for d in sorted(records.glob(f"{prefix}-*"), key=lambda p: p.name):
+        rows = json.loads((d / "push_pull.json").read_text())
+        got = [r[3].replace("speed-up vs none ", "") for r in rows if r[0] == "(a) onebit"]
+        if len(got) != 1:
+            raise ValueError(f"{d}: no '(a) onebit' row")
+        best, pub = float(got[0].split("x")[0]), float(published.split("x")[0])
+        out.append([f"push_pull 100 MiB ({d.name}): onebit's speed-up over none", got[0],
+                    published, "at or above the published" if best >= pub
+                    else "below the published"])
+    return out
+
+
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
             *("| " + " | ".join(r) + " |" for r in rows)]
@@ -313,9 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         checks += vgg_rows(vgg_runs, pub)
     if pp := push_pull_runs(f"{args.checks_prefix}-pushpull25"):
         checks.append(push_pull_row(pp))
+    if any(RECORDS.glob(f"{args.checks_prefix}-pushpull100-*")):
+        import readme_figures
+        import results_md
+
+        pub_pp = readme_figures.cell(results_md.load_results(), "push-pull",
+                                     "speed-up vs none", codec="onebit")
+        checks += push_pull_100_rows(f"{args.checks_prefix}-pushpull100", pub_pp)
     if checks:
         print(f"\nno-regression checks ({args.checks_prefix}-vgg-N, "
-              f"{args.checks_prefix}-pushpull25-N):\n")
+              f"{args.checks_prefix}-pushpull25-N, {args.checks_prefix}-pushpull100-N):\n")
         print("\n".join(table(["check", "measured", "published / target", "result"], checks)))
     if args.write_results:
         write_results([results_table(m, r) for m, r in all_runs.items()])

@@ -91,3 +91,26 @@ def test_scaling_table_from_kept_runs(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[2].startswith("| 2 | 2 |") and out[3].startswith("| 4 | 4 |")
     assert out[3].endswith("| 0.400 (0.100) | 0.100 | 4.00 |")
+
+
+def test_no_regression_checks(tmp_path: Path) -> None:
+    for i, (one, floor_rest) in enumerate(((0.35, 0.0), (0.36, 0.0), (0.30, 0.3)), 1):
+        _run(tmp_path / f"x-vgg-{i}", {"local": 0.2, "ddp-fp32": 1.4, "gp-onebit": one})
+        d = tmp_path / f"x-vgg-{i}" / "cluster.json"  # run 3's floor shared the machine
+        doc = json.loads(d.read_text())
+        doc["results"]["speed"]["vgg"]["local"]["cpu"] = {"rest": floor_rest}
+        d.write_text(json.dumps(doc))
+    rows = issue40.vgg_rows(issue40.load_runs("vgg", "x", tmp_path), {"gp-onebit": "3.75x"})
+    assert rows[0] == ["vgg: gp-onebit speed-up vs DDP fp32", "4.00x (runs 4.00, 3.89, 4.67)",
+                       "3.75x", "at or above the published"]
+    assert "without x-vgg-3 (its floor disturbed): 1.77x" in rows[1][1] and rows[1][3] == \
+        "not met"
+    for i, med in enumerate(("24.8", "25.5", "26.0"), 1):
+        (tmp_path / f"p-{i}").mkdir()
+        (tmp_path / f"p-{i}" / "push_pull.json").write_text(json.dumps(
+            [["(a) none", "", "", "speed-up vs none 1.0x (median 1.0x)"],
+             ["(a) onebit", "", "", f"speed-up vs none 27.0x (median {med}x)"]]))
+    assert issue40.push_pull_row(issue40.push_pull_runs("p", tmp_path))[1:] == \
+        ["25.5x (runs 24.8, 25.5, 26.0)", "at least 25x (issue 27)", "met"]
+    assert issue40.push_pull_100_rows("p", "25.2x (median 19.8x)", tmp_path)[0][3] == \
+        "at or above the published"
