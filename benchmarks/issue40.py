@@ -56,9 +56,19 @@ TARGETS = (
 
 
 def load_runs(model: str, prefix: str, records: Path = RECORDS) -> list[dict[str, Any]]:
-    """The runs of ``model``: ``{"name", "record", "results"}`` per record, in run order."""
+    """The runs of ``model``: ``{"name", "record", "results"}`` per record
+    ``<prefix>-<model>-<n>``, in run order."""
+    return load_series(f"{prefix}-{model}", model, records)
+
+
+def load_series(series: str, model: str, records: Path = RECORDS) -> list[dict[str, Any]]:
+    """The runs of the records ``<series>-<n>`` (n a number) of ``model``."""
+    import re
+
     runs = []
-    for d in sorted(records.glob(f"{prefix}-{model}-*"), key=lambda p: p.name):
+    dirs = [d for d in records.glob(f"{series}-*") if re.fullmatch(rf"{re.escape(series)}-\d+",
+                                                                     d.name)]
+    for d in sorted(dirs, key=lambda p: int(p.name.rsplit("-", 1)[1])):
         rec_path, res_path = d / "record.json", d / "cluster.json"
         if not (rec_path.is_file() and res_path.is_file()):
             raise ValueError(f"{d}: expected record.json and cluster.json")
@@ -225,6 +235,28 @@ def push_pull_100_rows(prefix: str, published: str,
     return out
 
 
+#: The VGG A/B on one machine: (record series, what ran) of each side.
+AB = (("issue40-vgg-ab-39086c0", "39086c0 (the published VGG row's commit)"),
+      ("issue40-vgg-ab-head", "this branch"))
+
+
+def ab_rows(records: Path = RECORDS) -> list[list[str]]:
+    """Per side of the A/B: onebit's speed-up over DDP fp32, its step over the floor and its
+    time above the floor, medians over the runs (per run)."""
+    out = []
+    for series, what in AB:
+        runs = load_series(series, "vgg", records)
+        if not runs:
+            continue
+        up, ups = ratio(runs, "ddp-fp32", "gp-onebit")
+        fl, fls = ratio(runs, "gp-onebit", "local")
+        above = [a - b for a, b in zip(medians(runs, "gp-onebit"), medians(runs, "local"))]
+        out.append([what, f"{up:.2f}x ({', '.join(f'{x:.2f}' for x in ups)})",
+                    f"{fl:.2f}x ({', '.join(f'{x:.2f}' for x in fls)})",
+                    f"{statistics.median(above):.3f} ({', '.join(f'{x:.3f}' for x in above)})"])
+    return out
+
+
 def table(head: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
             *("| " + " | ".join(r) + " |" for r in rows)]
@@ -342,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nno-regression checks ({args.checks_prefix}-vgg-N, "
               f"{args.checks_prefix}-pushpull25-N, {args.checks_prefix}-pushpull100-N):\n")
         print("\n".join(table(["check", "measured", "published / target", "result"], checks)))
+    if ab := ab_rows():
+        print("\nVGG A/B on this machine (records " + ", ".join(f"{a}-N" for a, _ in AB)
+              + "; min_compress_bytes 1 MiB, runs interleaved):\n")
+        print("\n".join(table(["code", "onebit speed-up vs DDP fp32 (runs)",
+                                "onebit step / floor (runs)",
+                                "onebit s/step above the floor (runs)"], ab)))
     if args.write_results:
         write_results([results_table(m, r) for m, r in all_runs.items()])
         print(f"\nwrote {', '.join(f'cluster-{m}' for m in all_runs)} into "
