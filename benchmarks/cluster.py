@@ -12,7 +12,9 @@ Run as root (network namespaces): ``sudo .venv/bin/python benchmarks/cluster.py 
    communication (the compute floor: a step of a system minus it is what communication costs
    that system, printed beside the speed-up). One worker per host; the gradpress systems add
    one server per host (``gradpress launch --nnodes N --node-rank R ...`` in each host
-   namespace). The DDP systems
+   namespace), except ``gp-onebit-coloc`` (asked for by name in ``--systems``): the same
+   onebit job with each host's server as threads inside its worker (``launch --colocate``),
+   the layout ``gradpress launch`` recommends on a node without spare cores. The DDP systems
    are torchrun-style processes (``MASTER_ADDR`` = host 0's address).
 2. **loopback**: gradpress ``none``, ``onebit`` and ``topk`` on the plain loopback of this
    machine (no namespace, no limit): does the pipeline hide the compression cost?
@@ -54,15 +56,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cluster_models import MODELS  # noqa: E402
-from cluster_worker import GP_SYSTEMS  # noqa: E402
+from cluster_worker import GP_COLOCATED, GP_SYSTEMS  # noqa: E402
 
 SYSTEMS = ("local", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-none",
-           "gp-onebit", "gp-topk", "gp-ddp-hook")
+           "gp-onebit", "gp-topk", "gp-ddp-hook", "gp-onebit-coloc")
+#: What runs by default (``gp-onebit-coloc`` is asked for by name).
+DEFAULT_SYSTEMS = SYSTEMS[:-1]
 LABELS = {"local": "no communication (compute floor)", "ddp-fp32": "DDP fp32 (gloo)",
           "ddp-fp16": "DDP + fp16 hook",
           "ddp-powersgd": "DDP + PowerSGD hook (rank 4)",
           "ddp-powersgd1": "DDP + PowerSGD hook (rank 1)", "gp-none": "gradpress none",
           "gp-onebit": "gradpress onebit", "gp-topk": "gradpress topk 0.1% fp16",
+          "gp-onebit-coloc": "gradpress onebit, servers in the workers (--colocate)",
           "gp-ddp-hook": "DDP + gradpress two-way onebit hook"}
 BATCH = {"vgg": 8, "bert": 4, "tfm": 4, "mlp": 8}
 PARTS = ("speed", "loopback", "scaling")
@@ -95,7 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"subset of {','.join(PARTS)}")
     p.add_argument("--models", help="comma-separated subset of vgg,bert,tfm,mlp (default vgg,bert; "
                    "quick vgg)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="systems of the speed part")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"systems of the speed part, a subset of {','.join(SYSTEMS)} "
+                        f"(default: all but gp-onebit-coloc)")
     p.add_argument("--scaling-systems", default="gp-none,gp-onebit",
                    help="gradpress systems of the scaling part (gp-none,gp-onebit)")
     p.add_argument("--rate", default="1gbit", help="per-host link rate (tc syntax; 1gbit)")
@@ -175,7 +182,8 @@ class Driver:
                 cmd = [*_gradpress_cmd(), "launch", "--nnodes", str(nodes),
                        "--node-rank", str(h), "--master-addr", net.addresses[0],
                        "--master-port", port, "--workers-per-node", str(wpn),
-                       "--servers-per-node", str(spn), "--", *worker]
+                       "--servers-per-node", str(spn),
+                       *(["--colocate"] if system in GP_COLOCATED else []), "--", *worker]
                 procs.append(subprocess.Popen([*prefix, *cmd], env=env, stderr=subprocess.PIPE,
                                               text=True))
                 continue

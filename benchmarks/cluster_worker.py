@@ -33,9 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_models import build_model, loss_of, make_batch
 
 DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-ddp-hook")
-GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk")
+GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk", "gp-onebit-coloc")
+#: gradpress systems whose servers run as threads inside the workers (``launch --colocate``).
+GP_COLOCATED = ("gp-onebit-coloc",)
 GP_SPECS = {"gp-none": ("none", None), "gp-onebit": ("onebit", "vanilla"),
-            "gp-topk": ("topk:k=0.001,values=fp16", "vanilla")}
+            "gp-topk": ("topk:k=0.001,values=fp16", "vanilla"),
+            "gp-onebit-coloc": ("onebit", "vanilla")}
 
 
 def cpu_counters() -> dict[str, float]:

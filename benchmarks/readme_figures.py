@@ -9,8 +9,10 @@ everything between the two markers is rewritten from :data:`BLOCKS`:
 * ``demo``: the table and the link budget of ``records/demo-100mbit/report.json``
   (``gradpress demo --bandwidth 100mbit``), with the machine of its ``record.json``;
 * ``results``: the headline rows, each cell taken from a table of
-  ``benchmarks/results/*.json`` (the tables of docs/results.md), and every accuracy target
-  with its result: met, not met, incomplete or not run.
+  ``benchmarks/results/*.json`` (the tables of docs/results.md; the transformer and MLP speed
+  rows from ``cluster-tfm`` and ``cluster-mlp``, written by ``benchmarks/issue40.py
+  --write-results`` from their records), and every accuracy target with its result: met, not
+  met, incomplete or not run.
 
 No figure is computed here: each is a string of a record, or a number of a report formatted
 as the run printed it. The records are refreshed by ``python benchmarks/results_md.py --rerun
@@ -181,6 +183,25 @@ def target_result(runs: str, result: str) -> str:
     return f"incomplete ({runs} runs)" if result == "incomplete" else result
 
 
+#: The PS path's row label in the cluster-tfm / cluster-mlp tables (benchmarks/issue40.py).
+PS_COLOC = "gradpress onebit, servers in the workers (--colocate)"
+
+
+def _cluster_row(sections: Sequence[Mapping[str, Any]], model: str, what: str,
+                 where: str) -> tuple[str, ...]:
+    """A speed row of the issue-40 tables: the PS path (colocated) against DDP + fp16 and
+    PowerSGD rank 1, and the two-way hook beside it."""
+    tid, fp16 = f"cluster-{model}", "speed-up vs DDP + fp16 hook"
+    psgd = "speed-up vs DDP + PowerSGD hook (rank 1)"
+    hook = "DDP + gradpress two-way onebit hook"
+    return (f"{what}, median of 3 runs", where,
+            "CLAN one-bit, parameter-server path (servers in the workers)",
+            f"{cell(sections, tid, fp16, system=PS_COLOC)} faster than DDP + fp16 hook, "
+            f"{cell(sections, tid, psgd, system=PS_COLOC)} faster than DDP + PowerSGD rank 1 "
+            f"(gradpress's DDP hook: {cell(sections, tid, fp16, system=hook)} and "
+            f"{cell(sections, tid, psgd, system=hook)})", _link(find_table(sections, tid)))
+
+
 def results_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS) -> str:
     def c(table_id: str, column: str, **match: str) -> str:
         return cell(sections, table_id, column, **match)
@@ -207,6 +228,9 @@ def results_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS
          f"DDP fp32 (DDP + PowerSGD: "
          f"{c('cluster-vgg', 'speed-up vs DDP fp32', system='DDP + PowerSGD hook (rank 4)')})",
          _link(vgg)),
+        *(_cluster_row(sections, model, what, namespaces) for model, what in (
+            ("tfm", "Transformer encoder (12 layers, d=384, 148 tensors), one training step"),
+            ("mlp", "MLP (100 MB of fp32 gradients), one training step"))),
         ("one-bit codec, 64 MB buffer", "one CPU thread of a 2-core machine", "one-bit",
          f"compresses at {c('codecs', 'compress GB/s', spec='onebit')} GB/s, "
          f"{c('codecs', 'compress x copy', spec='onebit')}x a memory copy", _link(codecs)),

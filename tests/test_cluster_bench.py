@@ -14,7 +14,10 @@ import cluster_models
 def test_defaults_and_quick() -> None:
     a = cluster.parse_args([])
     assert (a.models, a.warmup, a.steps, a.rate) == (["vgg", "bert"], 3, 5, "1gbit")
-    assert a.systems == list(cluster.SYSTEMS) and a.parts == list(cluster.PARTS)
+    assert a.systems == list(cluster.DEFAULT_SYSTEMS) and a.parts == list(cluster.PARTS)
+    assert "gp-onebit-coloc" not in a.systems  # the colocated layout is asked for by name
+    c = cluster.parse_args(["--systems", "gp-onebit,gp-onebit-coloc"])
+    assert c.systems == ["gp-onebit", "gp-onebit-coloc"]
     q = cluster.parse_args(["--quick"])
     assert (q.models, q.warmup, q.steps) == (["vgg"], 2, 3)
     assert cluster.parse_args(["--quick", "--steps", "7"]).steps == 7

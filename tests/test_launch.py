@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from gradpress.cli import main
+from gradpress.launch import layout_advice
 from gradpress.ps.cluster import Layout
 from gradpress.ps.config import ClusterConfig, PSConfig
 from helpers import assert_no_leftovers, wait_files
@@ -206,3 +207,35 @@ def test_rank_layout() -> None:
     with pytest.raises(ValueError, match="evenly"):
         Layout(num_workers=3, num_servers=1, colocate=False, nnodes=2)
     assert Layout(4, 2, False, 2, hierarchical=True).pushers == [0, 2]
+
+
+@pytest.mark.parametrize("workers,servers,colocate,cores,advised", [
+    (1, 1, False, 2, "--colocate"),        # the measured case: 1 worker + 1 server, 2 cores
+    (2, 1, False, 2, "--colocate"),
+    (2, 3, False, 4, "--servers-per-node 2"),  # more servers than workers cannot colocate as is
+    (1, 1, False, 3, None),                 # a spare core for the server process
+    (4, 2, False, 16, None),
+    (2, 2, True, 2, None),                  # already colocated
+])
+def test_layout_advice(workers: int, servers: int, colocate: bool, cores: int,
+                       advised: str | None) -> None:
+    advice = layout_advice(workers, servers, colocate, cores)
+    if advised is None:
+        assert advice is None
+    else:
+        assert advice is not None and advised in advice and f"{cores} core" in advice
+
+
+def test_launch_prints_the_layout_advice(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import gradpress.cli as cli
+
+    started = []
+    monkeypatch.setattr(cli, "_launch_with_restarts", lambda cfg, n: started.append(cfg) or 0)
+    cores = len(os.sched_getaffinity(0))
+    assert main(["launch", "--workers", str(cores), "--servers", "1", "--", "true"]) == 0
+    err = capsys.readouterr().err
+    assert "--colocate" in err and "Where the servers run" in err
+    assert main(["launch", "--workers", str(cores), "--colocate", "--", "true"]) == 0
+    assert "Where the servers run" not in capsys.readouterr().err
+    assert [c.colocate for c in started] == [False, True]  # advice only: the layout asked for

@@ -110,7 +110,7 @@ def _per_node(total: int | None, per_node: int | None, nnodes: int, what: str,
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from .launch import LaunchConfig
+    from .launch import LaunchConfig, layout_advice
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -124,6 +124,8 @@ def _run_launch(args: argparse.Namespace) -> int:
     spn = _per_node(args.servers, args.servers_per_node, args.nnodes, "server",
                     wpn if args.colocate else 1)
     _check_restarts(args)
+    if (advice := layout_advice(wpn, spn, args.colocate)) is not None:
+        print(f"gradpress launch: note: {advice}", file=sys.stderr, flush=True)
     cfg = LaunchConfig(command=tuple(command), workers_per_node=wpn, servers_per_node=spn,
                        colocate=args.colocate, nnodes=args.nnodes, node_rank=args.node_rank,
                        master_addr=args.master_addr, master_port=args.master_port,

@@ -40,7 +40,7 @@ from .ps.config import available_cores
 if TYPE_CHECKING:  # torch is imported after the children started (it takes seconds)
     import torch.distributed as dist
 
-__all__ = ["LaunchConfig", "launch", "restart_loop", "INTERRUPTED"]
+__all__ = ["LaunchConfig", "launch", "layout_advice", "restart_loop", "INTERRUPTED"]
 
 #: Exit statuses of a job stopped by SIGINT or SIGTERM (Ctrl-C, ``kill``): never restarted.
 INTERRUPTED = (130, 143)
@@ -108,6 +108,31 @@ class LaunchConfig:
     @property
     def num_servers(self) -> int:
         return self.servers_per_node * self.nnodes
+
+
+def layout_advice(workers_per_node: int, servers_per_node: int, colocate: bool,
+                  cores: int | None = None) -> str | None:
+    """The layout ``gradpress launch`` recommends for this node, or None when it has no advice.
+
+    Separate server processes pay off only when they have cores of their own: on a node where
+    workers + servers >= cores, the servers' processes, their threads and the extra network hop
+    (worker to server process and back) take core-seconds from the workers' compute every step
+    (measured on a 2-core machine: docs/performance.md, "Where the servers run"). Such a node
+    should run the servers as threads inside the workers (``--colocate``).
+    ``cores``: the cores this process may run on (default :func:`available_cores`).
+    """
+    if colocate:
+        return None
+    cores = available_cores() if cores is None else cores
+    procs = workers_per_node + servers_per_node
+    if procs < cores:
+        return None
+    fix = "--colocate" if servers_per_node <= workers_per_node else \
+        f"--colocate --servers-per-node {workers_per_node} (colocated servers live in workers)"
+    return (f"{workers_per_node} worker(s) + {servers_per_node} server process(es) on {cores} "
+            f"core(s): the server processes take cores from the workers' compute; on a node "
+            f"without spare cores, run the servers inside the workers with {fix} "
+            f"(docs/performance.md, 'Where the servers run')")
 
 
 @dataclass
