@@ -164,23 +164,16 @@ def test_hosts_replacement_node_fixed_size_bit_identical(
 
 
 @pytest.mark.cluster
-def test_three_hosts_replacement_of_the_middle_node_bit_identical(tmp_path: Path) -> None:
-    # three hosts, --nnodes 3: host 1 (neither the rendezvous's host nor the last) replaced;
-    # the reference: three workers under one agent, uninterrupted
-    elastic(3, tmp_path / "ref-ckpt", tmp_path / "ref-out")
-    want = results(tmp_path / "ref-out", 3)[0]["param_hash"]
+@pytest.mark.parametrize("hosts,nproc", [(3, 1), (2, 2)],
+                         ids=["three-hosts-middle-replaced", "two-workers-per-host"])
+def test_hosts_replacement_node_bit_identical(tmp_path: Path, hosts: int, nproc: int) -> None:
+    # three hosts (--nnodes 3), host 1 (neither the rendezvous's host nor the last) replaced;
+    # or two hosts of two workers each (--nproc-per-node 2), host 1 replaced. The reference:
+    # as many workers under one agent, uninterrupted
+    elastic(hosts * nproc, tmp_path / "ref-ckpt", tmp_path / "ref-out")
+    want = results(tmp_path / "ref-out", hosts * nproc)[0]["param_hash"]
     (tmp_path / "run").mkdir()
-    replace_host(tmp_path / "run", want, n=3, **OWN_STORE)
-
-
-@pytest.mark.cluster
-def test_hosts_replacement_node_two_workers_each_bit_identical(tmp_path: Path) -> None:
-    # two hosts of two workers each (--nproc-per-node 2), host 1 replaced; the reference: four
-    # workers under one agent, uninterrupted
-    elastic(4, tmp_path / "ref-ckpt", tmp_path / "ref-out")
-    want = results(tmp_path / "ref-out", 4)[0]["param_hash"]
-    (tmp_path / "run").mkdir()
-    replace_host(tmp_path / "run", want, nproc=2, **OWN_STORE)
+    replace_host(tmp_path / "run", want, n=hosts, nproc=nproc, **OWN_STORE)
 
 
 @pytest.mark.cluster
