@@ -1,4 +1,6 @@
-"""Issue 38 study: the workers' residual decay chosen per tensor from what the codec measures.
+"""Issue 38 study: the workers' residual decay chosen from a measurement, two rules
+(``clan_script.py --ef-auto``: per tensor from the codec's contraction, below;
+``--decay-on-drift EF``: whole until the health watch sees a drift, :func:`install_decay_on_drift`).
 
 Hypothesis (from the probes of ``vanilla`` runs on stdlib-mlm, where only ``out.weight``'s
 compressed momentum turned against the exact one): a codec contracts a heavy-tailed tensor
