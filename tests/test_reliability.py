@@ -317,6 +317,41 @@ def test_worker_rejects_hostile_reply_naming_server_and_key(
         worker.close([])
 
 
+def test_signal_on_the_callers_thread_reaches_the_caller(
+        solo: tuple[Cluster, PSConfig, Transport], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one by ``gradpress train``'s worker)
+    raised while push_pull starts a chunk on the caller's thread stops the caller there; the
+    engine is failed, so every later call names the signal (the CI flake of stop 48: the train
+    worker saw "the gradpress engine failed earlier: SIGTERM" and recorded "failed")."""
+    cluster, cfg, transport = solo
+    worker = WorkerEngine(cluster, cfg, transport)
+
+    def interrupted(job: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(worker, "_start", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            worker.submit(torch.ones(64), "interrupted", compression="none")
+        assert isinstance(worker.error, KeyboardInterrupt)
+    finally:
+        worker.close([])
+
+
+def test_train_worker_finds_the_signal_behind_an_engine_failure() -> None:
+    from gradpress.train.worker import _interrupt_cause
+
+    sig = KeyboardInterrupt("SIGTERM")
+    try:
+        try:
+            raise sig
+        except KeyboardInterrupt as e:
+            raise GradpressError("the gradpress engine failed earlier: SIGTERM") from e
+    except GradpressError as wrapped:
+        assert _interrupt_cause(wrapped) is sig
+    assert _interrupt_cause(GradpressError("server 1 died")) is None
+
+
 HOSTILE_GLOO = textwrap.dedent('''
     import os, sys, time
     import torch

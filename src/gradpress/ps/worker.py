@@ -238,8 +238,10 @@ class WorkerEngine:
             return
         try:
             fn(job, *args)
-        except BaseException as e:  # noqa: BLE001 - fatal: fail every pending handle
+        except BaseException as e:  # fatal: fail every pending handle
             self.fail(e)
+            if not isinstance(e, Exception):  # Ctrl-C/SIGTERM on the caller's thread (step 1):
+                raise  # the caller stops as the signal asked, not at its next push_pull
 
     def _enqueue(self, job: ChunkJob) -> None:  # step 1, on the caller's thread
         with self._queue_lock:  # in order: directly only when nothing waits in the queue
