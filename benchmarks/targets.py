@@ -355,7 +355,9 @@ def results_table(outcomes: Sequence[Outcome], argv: Sequence[str], out: Path) -
         "commit": f"{head} (the commit the table was written at; each run's own commit is not "
                   "kept)",
         "machine": f"{WORKERS} workers and 1 server, processes on one {m['cores']}-core "
-                   f"{m['cpu']} machine ({m['memory']}, {m.get('gpu') or 'no GPU'})",
+                   f"{m['cpu']} machine ({m['memory']}, {m.get('gpu') or 'no GPU'}), the one the "
+                   "table was written on; runs kept from earlier tables may come from another "
+                   "machine of the same size",
         "setting": "2 workers, 1 server; per seed, uncompressed LANS (`--task`, the task's "
                    "lr warm-up) against `gp.OneBitLANS` with nothing but its defaults and the "
                    "codec shown (`benchmarks/clan_script.py` in script mode, `--warmup-steps` "
