@@ -33,7 +33,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from .config import TrainConfig
 from .guard import TrainingDiverged
@@ -177,41 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         gp.shutdown()
         return 0
     except KeyboardInterrupt as e:
-        _exit_interrupted(sessions, e)
+        # the launcher is stopping every process: keep the metrics, skip the shutdown handshake;
+        # a second signal must not interrupt the writing of what was measured
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        if sessions:
+            sessions[-1].ended("interrupted", str(e) or "SIGINT")
+        sys.stderr.flush()
+        os._exit(130)
     except TrainingDiverged as e:  # recorded by the session; the message says it all
         print(f"gradpress worker: {e}", file=sys.stderr, flush=True)
         return 1
     except BaseException as e:
-        cause = _interrupt_cause(e)
-        if cause is not None:  # the signal reached code that turned it into an engine failure
-            _exit_interrupted(sessions, cause)
         if sessions:
             sessions[-1].ended("failed", f"{type(e).__name__}: {e}")
         raise
-    return 0  # unreachable: _exit_interrupted exits
-
-
-def _interrupt_cause(e: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (SIGINT/SIGTERM) that ``e`` was raised from, if any."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, KeyboardInterrupt):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
-def _exit_interrupted(sessions: list[Session], e: KeyboardInterrupt) -> NoReturn:
-    """The launcher is stopping every process: keep the metrics, skip the shutdown handshake;
-    a second signal must not interrupt the writing of what was measured."""
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, signal.SIG_IGN)
-    if sessions:
-        sessions[-1].ended("interrupted", str(e) or "SIGINT")
-    sys.stderr.flush()
-    os._exit(130)
 
 
 if __name__ == "__main__":
