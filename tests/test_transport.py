@@ -21,7 +21,7 @@ import torch
 
 from gradpress.compress import build
 from gradpress.ps.errors import PeerError
-from gradpress.ps.handoff import HandOff
+from gradpress.ps.handoff import HandOff, TaskPool
 from gradpress.ps.protocol import CTRL_BYTES, OP_PUSH_INLINE, Control, pack_control, unpack_control
 from gradpress.ps.transport import (
     CTRL_TAG,
@@ -184,3 +184,35 @@ def test_handoff_decides_from_measured_speed_and_latency() -> None:
     assert gate.here(1 << 30, "onebit")  # not measured yet: run here, and measure
     with pytest.raises(ValueError, match="latency_s"):
         HandOff(latency_s=0)
+
+
+def test_task_pool_runs_calls_on_its_named_threads_and_outlives_a_failing_one() -> None:
+    import threading
+
+    pool = TaskPool(2, "gp-test")
+    names: list[str] = []
+    both = threading.Barrier(2, timeout=10)  # two tasks in parallel: two threads
+    done = threading.Event()
+
+    def task(i: int) -> None:
+        names.append(threading.current_thread().name)
+        if i < 2:
+            both.wait()
+        if i == 3:
+            done.set()
+
+    def bad() -> None:
+        raise KeyboardInterrupt  # as the engine's guard re-raises a signal
+
+    pool.submit(task, 0)
+    pool.submit(task, 1)
+    pool.submit(bad)
+    pool.submit(task, 3)  # still runs: a raising task does not stop its thread
+    assert done.wait(10)
+    assert sorted(set(names[:2])) == ["gp-test_0", "gp-test_1"]
+    pool.shutdown(wait=True, timeout=10)
+    assert not any(t.name.startswith("gp-test") and t.is_alive() for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(task, 4)
+    with pytest.raises(ValueError, match="threads"):
+        TaskPool(0, "gp-test")

@@ -11,13 +11,25 @@ waiting for another thread would take longer than doing it.
 
 Used by the worker's receiver (decode a reply itself, or hand it to the pool) and the server's
 control threads (reduce a key whose pushes all came inline, or hand it to its engine thread).
+
+:class:`TaskPool` is the worker's pool those hand-offs go to: fixed threads taking calls from one
+queue. Its tasks report their own outcome (the engine's ``_guard``), so it keeps no futures: a
+``concurrent.futures`` executor makes a future, a work item and their locks for every task,
+which costs more than a small chunk's decode (``benchmarks/per_chunk.py``).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["HandOff"]
+__all__ = ["HandOff", "TaskPool"]
+
+log = logging.getLogger(__name__)
 
 #: weight of a new measurement in the running averages
 _ALPHA = 0.1
@@ -54,3 +66,48 @@ class HandOff:
     def started(self, handed_at: float) -> None:
         """Record that a job handed over at ``handed_at`` (``time.perf_counter()``) starts now."""
         self.latency_s += _ALPHA * (time.perf_counter() - handed_at - self.latency_s)
+
+
+class TaskPool:
+    """``threads`` daemon threads named ``{name}_{i}`` running submitted calls in order of
+    submission; a call's result is dropped and an exception it lets out is logged (the
+    engine's tasks catch their own and fail the engine, see ``WorkerEngine._guard``).
+
+    Args:
+        threads: number of threads (at least 1).
+        name: thread name prefix.
+    """
+
+    def __init__(self, threads: int, name: str) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` for the next free thread (RuntimeError after :meth:`shutdown`)."""
+        if self._closed:
+            raise RuntimeError("the gradpress worker pool was shut down; no new task runs")
+        self._q.put((fn, args))
+
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Let every thread finish the calls queued so far, then stop; with ``wait``, join them
+        (each for at most ``timeout`` seconds; None: until it stopped)."""
+        self._closed = True
+        for _ in self._threads:
+            self._q.put(None)
+        if wait:
+            for t in self._threads:
+                t.join(timeout)
+
+    def _run(self) -> None:
+        while (task := self._q.get()) is not None:
+            fn, args = task
+            try:
+                fn(*args)
+            except BaseException:  # the pool outlives a task's signal or exit
+                log.debug("gradpress pool task %r raised", fn, exc_info=True)

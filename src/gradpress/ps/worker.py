@@ -57,7 +57,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -77,7 +76,7 @@ from .cluster import Cluster
 from .codec_state import WorkerCheckpoint
 from .config import PSConfig
 from .errors import GradpressError
-from .handoff import HandOff
+from .handoff import HandOff, TaskPool
 from .keyplan import Planner
 from .protocol import OP_PUSH, OP_PUSH_INLINE, OP_STOP, Control, pack_control
 from .streams import CopyStreams
@@ -118,7 +117,7 @@ class WorkerEngine:
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
         self._streams = CopyStreams(cfg.compress_on == "device")  # CUDA: the engine's streams
         self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed
-        self._pool = ThreadPoolExecutor(cfg.compress_threads, thread_name_prefix="gp-compress")
+        self._pool = TaskPool(cfg.compress_threads, "gp-compress")
         self._decode = HandOff()  # decode on the receiver, or on the pool
         self.checkpoint = WorkerCheckpoint(self)
         self.planner = Planner(cluster, cfg, on_new=self.checkpoint.restore_pending)
@@ -214,7 +213,7 @@ class WorkerEngine:
         limit = self.cfg.timeout if self._error is None else min(self.cfg.timeout, 1.0)
         for t in self._threads:
             t.join(limit)
-        self._pool.shutdown(wait=self._error is None)
+        self._pool.shutdown(wait=self._error is None, timeout=limit)
         self._buffers.clear()
         self._pinned.drain(wait=self._error is None)
         if self._error is not None:
