@@ -187,6 +187,13 @@ def target_result(runs: str, result: str) -> str:
 PS_COLOC = "gradpress onebit, servers in the workers (--colocate)"
 
 
+def _versus(speedup: str) -> str:
+    """``"1.32x"`` -> ``"1.32x faster than"``; a speed-up below 1 reads as the slow-down it is
+    (``"0.98x"`` -> ``"1.02x slower than"``)."""
+    x = float(speedup.rstrip("x"))
+    return f"{speedup} faster than" if x >= 1 else f"{1 / x:.2f}x slower than"
+
+
 def _cluster_row(sections: Sequence[Mapping[str, Any]], model: str, what: str,
                  where: str) -> tuple[str, ...]:
     """A speed row of the issue-40 tables: the PS path (colocated) against DDP + fp16 and
@@ -196,9 +203,9 @@ def _cluster_row(sections: Sequence[Mapping[str, Any]], model: str, what: str,
     hook = "DDP + gradpress two-way onebit hook"
     return (f"{what}, median of 3 runs", where,
             "CLAN one-bit, parameter-server path (servers in the workers)",
-            f"{cell(sections, tid, fp16, system=PS_COLOC)} faster than DDP + fp16 hook, "
-            f"{cell(sections, tid, psgd, system=PS_COLOC)} faster than DDP + PowerSGD rank 1 "
-            f"(gradpress's DDP hook: {cell(sections, tid, fp16, system=hook)} and "
+            f"{_versus(cell(sections, tid, fp16, system=PS_COLOC))} DDP + fp16 hook, "
+            f"{_versus(cell(sections, tid, psgd, system=PS_COLOC))} DDP + PowerSGD rank 1 "
+            f"(speed-ups of gradpress's DDP hook: {cell(sections, tid, fp16, system=hook)} and "
             f"{cell(sections, tid, psgd, system=hook)})", _link(find_table(sections, tid)))
 
 
