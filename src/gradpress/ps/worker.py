@@ -7,10 +7,8 @@ servers, codecs), and per chunk:
    (``inflight_bytes``) and goes to the thread pool; ``submit`` does this itself while there
    is room and nothing queued, otherwise a dispatcher thread waits for room (the caller never
    blocks on the budget);
-2. compress with the chunk's worker codec (error feedback / momentum state lives here, per
-   key), into the chunk's send buffer: on the thread pool, or on the thread that started the
-   chunk when the measured compress time is below the measured hand-off latency
-   (:class:`~gradpress.ps.handoff.HandOff`: small chunks, busy cores; CPU tensors only);
+2. compress on the thread pool with the chunk's worker codec (error feedback / momentum state
+   lives here, per key), into the chunk's send buffer;
 3. pre-post the receive of the server's reply, announce the push on the control tag, and send
    the payload on the key's tag (a small payload travels inline, in one message with its
    announcement: :mod:`gradpress.ps.protocol`);
@@ -121,7 +119,6 @@ class WorkerEngine:
         self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed
         self._pool = TaskPool(cfg.compress_threads, "gp-compress")
         self._decode = HandOff()  # decode on the receiver, or on the pool
-        self._compress = HandOff()  # compress where the chunk starts, or on the pool
         self.checkpoint = WorkerCheckpoint(self)
         self.planner = Planner(cluster, cfg, on_new=self.checkpoint.restore_pending)
         self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -271,23 +268,15 @@ class WorkerEngine:
         job.send, job.recv = self._buffers.take(n), self._buffers.take(n)  # framed (transport)
         job.step = job.chunk.step
         job.chunk.step += 1
-        if job.ready is None and self._compress.here(4 * job.chunk.desc.numel,
-                                                     job.chunk.desc.spec):
-            self._guard(self._push, job)  # quicker here than waiting for a pool thread
-        else:
-            self._pool.submit(self._guard, self._push, job, time.perf_counter())
+        self._pool.submit(self._guard, self._push, job)
 
-    def _push(self, job: ChunkJob, handed_at: float | None = None) -> None:  # steps 2-3
-        chunk, send = job.chunk, job.send
-        if handed_at is not None:
-            self._compress.started(handed_at)
-        t0 = time.perf_counter()
+    def _push(self, job: ChunkJob) -> None:  # steps 2-3
+        chunk, send, t0 = job.chunk, job.send, time.perf_counter()
         assert send is not None and job.recv is not None  # taken by _dispatch
         if job.ready is not None:  # CUDA: this thread's stream (ps/streams.py, step 1)
             job.stream = self._streams.way_out(job.x.device)
         compress_chunk(job, self.cfg.compress_on == "device")
         t1 = time.perf_counter()
-        self._compress.ran(4 * chunk.desc.numel, t1 - t0, chunk.desc.spec)
         dst, label = chunk.server_rank, chunk.label
         job.recv_op = self.transport.irecv(job.recv, dst, chunk.key, label, "pull")
         inline = fits_inline(chunk.nbytes)  # one message: control, payload, trailer
