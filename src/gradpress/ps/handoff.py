@@ -12,8 +12,9 @@ waiting for another thread would take longer than doing it.
 Used by the worker's receiver (decode a reply itself, or hand it to the pool) and the server's
 control threads (reduce a key whose pushes all came inline, or hand it to its engine thread).
 
-:class:`TaskPool` is the worker's pool those hand-offs go to: fixed threads taking calls from one
-queue. Its tasks report their own outcome (the engine's ``_guard``), so it keeps no futures: a
+:class:`TaskPool` is where those hand-offs go: fixed threads taking calls from one queue (the
+worker's compress/decompress pool, its dispatcher and receiver, the hierarchical engine's two
+threads). Its tasks report their own outcome (the engines' guards), so it keeps no futures: a
 ``concurrent.futures`` executor makes a future, a work item and their locks for every task,
 which costs more than a small chunk's decode (``benchmarks/per_chunk.py``).
 """

@@ -25,8 +25,6 @@ buffer, also without blocking, on the waiter's current stream, into ``out=`` whe
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +36,7 @@ from .calls import Handle, blocking_event, check_out, flat_fp32
 from .cluster import Cluster
 from .config import PSConfig
 from .errors import GradpressError
+from .handoff import TaskPool
 from .worker import WorkerEngine
 
 __all__ = ["HierarchicalEngine"]
@@ -90,15 +89,8 @@ class HierarchicalEngine:
         self.is_leader = cluster.rank == self.leader
         self._reduce_group, self._bcast_group = cluster.local_groups
         self._error: BaseException | None = None
-        self._reduce_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._bcast_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._loop, args=(self._reduce_q, self._reduce),
-                             name="gp-local-reduce", daemon=True),
-            threading.Thread(target=self._loop, args=(self._bcast_q, self._broadcast),
-                             name="gp-local-broadcast", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._reducer = TaskPool(1, "gp-local-reduce")
+        self._broadcaster = TaskPool(1, "gp-local-broadcast")
 
     def submit(self, tensor: torch.Tensor, name: str, **kwargs: Any) -> Handle:
         """Start a hierarchical push_pull; ``kwargs`` as :meth:`WorkerEngine.submit`."""
@@ -114,26 +106,24 @@ class HierarchicalEngine:
         on_done = None if self.is_leader else self._count
         handle = Handle(name, flat, like.shape, like.dtype, like.device, 1, on_done=on_done,
                         dest=dest)
-        self._reduce_q.put((flat, copied, name, kwargs, handle))
+        self._reducer.submit(self._run, self._reduce, flat, copied, name, kwargs, handle)
         return handle
 
     def close(self) -> None:
         """Stop the threads after the queued tensors went through."""
-        for q in (self._reduce_q, self._bcast_q):
-            q.put(None)
-            self._threads[0 if q is self._reduce_q else 1].join(self.cfg.timeout)
+        self._reducer.shutdown(timeout=self.cfg.timeout)
+        self._broadcaster.shutdown(timeout=self.cfg.timeout)
 
-    def _loop(self, q: queue.SimpleQueue, fn: Callable[..., None]) -> None:
-        while (item := q.get()) is not None:
-            handle = item[-1]
-            if self._error is not None:
-                handle._set_error(self._error)
-                continue
-            try:
-                fn(*item)
-            except BaseException as e:  # noqa: BLE001 - the node's collectives are now unusable
-                self._error = e
-                handle._set_error(e)
+    def _run(self, fn: Callable[..., None], *item: Any) -> None:
+        handle = item[-1]
+        if self._error is not None:
+            handle._set_error(self._error)
+            return
+        try:
+            fn(*item)
+        except BaseException as e:  # noqa: BLE001 - the node's collectives are now unusable
+            self._error = e
+            handle._set_error(e)
 
     def _count(self, handle: Handle) -> None:
         if handle.error is None:
@@ -157,7 +147,7 @@ class HierarchicalEngine:
         self._collective("local reduce", name, lambda: dist.reduce(
             flat, self.leader, op=dist.ReduceOp.SUM, group=self._reduce_group))
         inner = self.engine.submit(flat, name, out=flat, **kwargs) if self.is_leader else None
-        self._bcast_q.put((flat, name, inner, handle))
+        self._broadcaster.submit(self._run, self._broadcast, flat, name, inner, handle)
 
     def _broadcast(self, flat: torch.Tensor, name: str, inner: Handle | None,
                    handle: Handle) -> None:  # step 3

@@ -53,7 +53,6 @@ GPU is present (none yet).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -121,16 +120,10 @@ class WorkerEngine:
         self._decode = HandOff()  # decode on the receiver, or on the pool
         self.checkpoint = WorkerCheckpoint(self)
         self.planner = Planner(cluster, cfg, on_new=self.checkpoint.restore_pending)
-        self._dispatch_q: queue.SimpleQueue = queue.SimpleQueue()
         self._queue_lock = threading.Lock()
         self._queued = 0  # chunks queued for the dispatcher
-        self._recv_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._loop, args=(self._dispatch_q,
-                                          self._dispatch), name="gp-dispatch", daemon=True),
-                         threading.Thread(target=self._loop, args=(self._recv_q,
-                                          self._received), name="gp-receive", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._dispatcher = TaskPool(1, "gp-dispatch")  # step 1 when the budget is full
+        self._receiver = TaskPool(1, "gp-receive")  # step 4, replies in push order
 
     # -- public ---------------------------------------------------------------------------------
     def submit(self, tensor: torch.Tensor, name: str, *, average: bool = True,
@@ -205,14 +198,12 @@ class WorkerEngine:
             live = list(self._live)
         for h in live:
             h.wait_quietly(self.cfg.timeout)
-        self._dispatch_q.put(None)
-        self._recv_q.put(None)
         # a failed engine's threads may wait on a peer that will never answer (the local
         # server blocked on a dead worker): they are daemons, bounded by the timeout, and
         # the process need not wait for them to exit (a restart waits on that exit)
         limit = self.cfg.timeout if self._error is None else min(self.cfg.timeout, 1.0)
-        for t in self._threads:
-            t.join(limit)
+        self._dispatcher.shutdown(timeout=limit)
+        self._receiver.shutdown(timeout=limit)
         self._pool.shutdown(wait=self._error is None, timeout=limit)
         self._buffers.clear()
         self._pinned.drain(wait=self._error is None)
@@ -224,13 +215,6 @@ class WorkerEngine:
             op.wait(self.cfg.timeout, "shutdown")
 
     # -- pipeline -------------------------------------------------------------------------------
-    def _loop(self, q: queue.SimpleQueue, fn: Callable[[ChunkJob], None]) -> None:
-        while True:
-            job = q.get()
-            if job is None:
-                return
-            fn(job)
-
     def _guard(self, fn: Callable[..., None], job: ChunkJob, *args: Any) -> None:
         if self._error is not None:
             job.handle._set_error(self._error)
@@ -250,7 +234,7 @@ class WorkerEngine:
         if direct:
             self._guard(self._start, job)
         else:
-            self._dispatch_q.put(job)
+            self._dispatcher.submit(self._dispatch, job)
 
     def _dispatch(self, job: ChunkJob) -> None:  # step 1, on the dispatcher thread
         try:
@@ -286,7 +270,7 @@ class WorkerEngine:
             self.transport.isend(ctrl, dst, CTRL_TAG, label, "push"),
             self.transport.isend(send, dst, chunk.key, label, "push")]
         job.t_sent = t2 = time.perf_counter()
-        self._recv_q.put(job)
+        self._receiver.submit(self._received, job)
         self.account(compress_s=t1 - t0, send_s=t2 - t1, bytes_pushed=chunk.nbytes, chunks=1)
         self.tracer.add("compress", t0, t1, key=chunk.key, step=job.step, name=chunk.desc.name,
                         chunk=chunk.desc.chunk)
