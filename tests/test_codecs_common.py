@@ -12,7 +12,8 @@ from gradpress.compress.ef import ErrorFeedback
 
 NAMES = codec_names()
 #: The codecs gradpress ships (docs/reference/api.md); one missing from the registry is a failure.
-SHIPPED = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "dithering")
+SHIPPED = ("none", "fp16", "bf16", "onebit", "topk", "randomk", "dithering", "int2", "int3", "int4",
+           "int8")
 SIZES = (0, 1, 7, 8, 1000003)
 
 

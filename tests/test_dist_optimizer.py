@@ -18,7 +18,8 @@ import torch
 
 import gradpress as gp
 
-CODECS = ["fp16", "onebit", "topk:k=0.1", "randomk:k=0.1", "dithering:s=7"]
+CODECS = ["fp16", "onebit", "topk:k=0.1", "randomk:k=0.1", "dithering:s=7", "int4", "int3",
+          "int8:block=32"]
 
 WORKER = textwrap.dedent('''
     import sys, torch, gradpress as gp
@@ -233,6 +234,50 @@ WORKER = textwrap.dedent('''
     res["watch_generation"] = torch.tensor(opt.generation(0))
     res["watch"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     res["watch_plan"] = torch.tensor("drifted and recovered" in opt.plan().format())
+    # 12. the default (int4, error feedback on both sides) with AdamW, nothing else passed
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)  # noqa: E731
+    m, opt = train("dflt", 4, adamw)
+    res["default"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    res["default_codecs"] = torch.tensor(all(t.codec.startswith("int4") for t in
+                                             opt.plan().tensors))
+    # 13. compression="none" is AdamW on the exactly averaged gradients, bit for bit, at
+    # every step: a local replica steps on (g0 + g1) / 2 computed here
+    model, ref = net(3), net(3)
+    opt = gp.DistributedOptimizer(adamw(model), named_parameters=[
+        (f"exact.{n}", p) for n, p in model.named_parameters()], compression="none")
+    ref_opt = adamw(ref)
+    same = []
+    for step in range(4):
+        opt.zero_grad()
+        x, y = data(step, r)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        grads = []
+        for w in range(W):
+            ref.zero_grad()
+            xw, yw = data(step, w)
+            torch.nn.functional.cross_entropy(ref(xw), yw).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, p in enumerate(ref.parameters()):
+            p.grad = sum((g[i] for g in grads), torch.zeros_like(p)) / W
+        ref_opt.step()
+        same.append(all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                          ref.parameters())))
+    res["exact_every_step"] = torch.tensor(same)
+    # 14. rows without gradient: int4 leaves them exactly where uncompressed AdamW does
+    for spec in ("none", "int4", "int2"):
+        torch.manual_seed(5)
+        emb = torch.nn.Sequential(torch.nn.Embedding(30, 16), torch.nn.Linear(16, 3))
+        opt = gp.DistributedOptimizer(torch.optim.AdamW(emb.parameters(), lr=1e-2), [
+            (f"zr_{spec}.{n}", p) for n, p in emb.named_parameters()], compression=spec)
+        for step in range(6):
+            g = torch.Generator().manual_seed(1000 * step + r)
+            x, y = torch.randint(0, 20, (8,), generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(emb(x), y).backward()
+            opt.step()
+        res[f"zero_rows_{spec}"] = emb[0].weight.detach()[20:].clone()
+        res[f"used_rows_{spec}"] = emb[0].weight.detach()[:20].clone()
     torch.save(res, f"{out}/worker{r}.pt")
     gp.shutdown()
 ''')
@@ -314,6 +359,12 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     # tensor, counted once each; the replicas stayed identical (checked above)
     assert int(w0["watch_generation"]) == 2 and int(w0["watch_recoveries"]) >= 2
     assert torch.isfinite(w0["watch"]).all() and bool(w0["watch_plan"])
+    # the default: int4 on every tensor (the small ones in a compressed fused key)
+    assert bool(w0["default_codecs"]) and torch.isfinite(w0["default"]).all()
+    assert w0["exact_every_step"].tolist() == [True] * 4
+    for spec in ("int4", "int2"):
+        assert torch.equal(w0[f"zero_rows_{spec}"], w0["zero_rows_none"]), spec
+        assert not torch.equal(w0[f"used_rows_{spec}"], w0["used_rows_none"]), spec
 
 
 FACTORIES = [gp.CLAN, gp.OneBitLANS]

@@ -308,7 +308,7 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
-    assert [r["run"] for r in rep["runs"]] == ["uncompressed", "clan-onebit", "clan-topk0.1%"]
+    assert [r["run"] for r in rep["runs"]] == ["uncompressed", "int4", "clan-onebit"]
     for r in rep["runs"]:
         assert r["status"] == "completed" and r["steps"] == 2 and r["replicas_identical"]
         assert r["metric"]["name"] == "test_accuracy" and 0 <= r["metric"]["value"] <= 1
@@ -321,7 +321,7 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
     none, onebit, topk = rep["runs"]
     assert none["model_ratio_vs_fp32"] < 1.01
     assert topk["compressed_ratio_vs_fp16"] > onebit["compressed_ratio_vs_fp16"] > 10
-    assert "clan-topk0.1%" in rep["table"] and rep["table"] in p.stdout
+    assert "int4" in rep["table"] and rep["table"] in p.stdout
     _pngs_ok(out, (*PLOTS, "eval_vs_step.png"))
 
 

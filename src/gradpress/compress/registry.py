@@ -13,7 +13,7 @@ from .spec import CodecSpec, EFSpec, parse_ef, parse_spec
 
 __all__ = ["build", "codec_names", "codec_class", "MOMENTUM_KINDS", "ef_needs_lr"]
 
-_FAMILY_MODULES = ("cast", "onebit", "sparse", "dithering")
+_FAMILY_MODULES = ("cast", "onebit", "sparse", "dithering", "blockint")
 MOMENTUM_KINDS = ("nesterov",)
 _loaded = False
 

@@ -99,7 +99,7 @@ class OptimizerConfig:
     @property
     def effective_dense_steps(self) -> int:
         """``dense_steps``, or the method's default."""
-        return defaults.dense_steps_for(self.method) if self.dense_steps is None \
+        return defaults.dense_steps_for(self.method, self.compression) if self.dense_steps is None \
             else self.dense_steps
 
     @functools.cached_property

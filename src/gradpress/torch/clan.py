@@ -25,7 +25,7 @@ NamedParameters = Iterable[tuple[str, torch.nn.Parameter]]
 
 
 def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the method)
-         lr: float = 1e-3, *, compression: Compression = defaults.COMPRESSION,
+         lr: float = 1e-3, *, compression: Compression = defaults.ONEBIT_COMPRESSION,
          ef: EFLike = defaults.EF, dense_steps: int = defaults.DENSE_STEPS,
          weight_decay: float = defaults.WEIGHT_DECAY,
          betas: tuple[float, float] = defaults.BETAS, eps: float = defaults.EPS,
@@ -105,7 +105,7 @@ def CLAN(named_parameters: NamedParameters,  # noqa: N802  (named like the metho
 
 
 def OneBitLANS(named_parameters: NamedParameters,  # noqa: N802  (named like the method)
-               lr: float = 1e-3, *, compression: Compression = defaults.COMPRESSION,
+               lr: float = 1e-3, *, compression: Compression = defaults.ONEBIT_COMPRESSION,
                ef: EFLike = defaults.MOMENTUM_EF, dense_steps: int = defaults.DENSE_STEPS,
                weight_decay: float = defaults.WEIGHT_DECAY,
                betas: tuple[float, float] = defaults.BETAS, eps: float = defaults.EPS,

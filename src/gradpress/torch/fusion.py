@@ -1,10 +1,11 @@
 """Which of an optimizer's tensors share fused keys (:mod:`gradpress.ps.fusion`), the same at
 run time and in ``opt.plan()``.
 
-1. A tensor is fused when it is smaller than ``min_compress_bytes`` (so it travels exact, fp32)
-   and the pushes carry no worker-side momentum (dist-EF-SGDM keeps a momentum buffer per key,
-   which fusion would move to the fused key); larger tensors, also those kept exact by name,
-   keep their own keys.
+1. A tensor is fused when it is smaller than ``min_compress_bytes`` (so it travels exact, fp32;
+   with a block-scaled codec such as ``int4`` the fused key itself travels compressed, see
+   :func:`fused_codec`) and the pushes carry no worker-side momentum (dist-EF-SGDM keeps a
+   momentum buffer per key, which fusion would move to the fused key); larger tensors, also
+   those kept exact by name, keep their own keys.
 2. The order is the optimizer's parameter order reversed: the order in which backward produces
    gradients, as DDP's buckets, so the first bucket fills first and the last one, pushed at
    the end of backward, holds the first layers' tensors. The 1-bit optimizers' momenta use the
@@ -15,6 +16,7 @@ run time and in ``opt.plan()``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,7 +45,7 @@ def has_worker_momentum(spec: CodecSpec | None) -> bool:
 
 def tensor_fusion(entries: Sequence[tuple[str, torch.Tensor]], *,
                   min_compress_bytes: int | None, spec: CodecSpec | None,
-                  cfg: PSConfig) -> list[FusedKey]:
+                  cfg: PSConfig, exact: frozenset[str] = frozenset()) -> list[FusedKey]:
     """The fused keys of an optimizer's pushes (steps 1-3).
 
     Args:
@@ -52,46 +54,67 @@ def tensor_fusion(entries: Sequence[tuple[str, torch.Tensor]], *,
         min_compress_bytes: the pushes' threshold (None: the runtime's, ``cfg``'s).
         spec: the pushes' codec spec (None: no wrappers).
         cfg: the runtime options (``fusion_cap``, ``min_compress_bytes``).
+        exact: push names kept exact by name: left out of fused keys that travel compressed.
     """
     limit = cfg.min_compress_bytes if min_compress_bytes is None else min_compress_bytes
     if has_worker_momentum(spec) or cfg.fusion_cap == 0:
         return []
-    small = [(n, t) for n, t in reversed(entries) if 4 * t.numel() < limit]
+    keep = exact if fused_codec(spec) is not None else frozenset()
+    small = [(n, t) for n, t in reversed(entries) if 4 * t.numel() < limit and n not in keep]
     return fused_keys([(n, t.numel()) for n, t in small], cfg.fusion_cap,
                       breaks=[str(t.device) for _, t in small])
 
 
-def _push(buf: torch.Tensor, name: str) -> Handle:
+def fused_codec(spec: CodecSpec | None) -> CodecSpec | None:
+    """The codec fused keys travel with: ``spec`` itself for a block-scaled codec (``int4``...:
+    a scale per block, so a key of small tensors compresses as well as a large tensor and
+    zero stays exact), else None (exact, fp32)."""
+    from ..defaults import BLOCK_SCALED
+
+    return spec if spec is not None and spec.name in BLOCK_SCALED else None
+
+
+def _push(spec: CodecSpec | None, buf: torch.Tensor, name: str) -> Handle:
     from .. import api
 
-    return api.push_pull_async(buf, name, average=True, compression="none", ef="none", out=buf)
+    if spec is None or name.endswith(DENSE_SUFFIX):
+        return api.push_pull_async(buf, name, average=True, compression="none", ef="none",
+                                   out=buf)
+    return api.push_pull_async(buf, name, average=True, compression=spec,
+                               min_compress_bytes=0, out=buf)
 
 
-def make_fuser(keys: Sequence[FusedKey], cfg: PSConfig) -> Fuser:
+def make_fuser(keys: Sequence[FusedKey], cfg: PSConfig,
+               spec: CodecSpec | None = None) -> Fuser:
     """A :class:`~gradpress.ps.fusion.Fuser` pushing ``keys`` through ``push_pull_async``
-    (exact, averaged, in place)."""
-    return Fuser(keys, _push, cfg.timeout)
+    (averaged, in place; exact unless :func:`fused_codec` of ``spec`` names a codec)."""
+    return Fuser(keys, functools.partial(_push, fused_codec(spec)), cfg.timeout)
 
 
-def fused_key_bytes(key: FusedKey, partition_bytes: int) -> tuple[int, int]:
-    """``(payload bytes, chunks)`` of one push of ``key``: fp32 chunks with their headers."""
+def fused_key_bytes(key: FusedKey, partition_bytes: int,
+                    spec: CodecSpec | None = None) -> tuple[int, int]:
+    """``(payload bytes, chunks)`` of one push of ``key``: its chunks with their headers, fp32
+    or in :func:`fused_codec` of ``spec``."""
     from ..compress import build
     from ..ps.partition import chunk_layout
 
+    codec = fused_codec(spec) or "none"
     chunks = chunk_layout(key.numel, partition_bytes)
-    return sum(build("none", c.numel).payload_bytes for c in chunks), len(chunks)
+    return sum(build(codec, c.numel).payload_bytes for c in chunks), len(chunks)
 
 
 def gradient_fuser(names: Mapping[torch.Tensor, str], min_compress_bytes: int | None,
-                   spec: CodecSpec | None) -> Fuser:
+                   spec: CodecSpec | None, exact: frozenset[str] = frozenset()) -> Fuser:
     """The fuser of ``DistributedOptimizer``'s gradient pushes; ``names`` maps each parameter
-    to its name in the optimizer's parameter order (built after ``init``)."""
+    to its name in the optimizer's parameter order (built after ``init``); ``exact``: the
+    names kept exact."""
     from .. import api
 
     entries = [(n, p) for p, n in names.items() if p.requires_grad]
     cfg = api.config()
-    keys = tensor_fusion(entries, min_compress_bytes=min_compress_bytes, spec=spec, cfg=cfg)
-    return make_fuser(keys, cfg)
+    keys = tensor_fusion(entries, min_compress_bytes=min_compress_bytes, spec=spec, cfg=cfg,
+                         exact=exact)
+    return make_fuser(keys, cfg, spec)
 
 
 def momentum_fuser(param_groups: Sequence[dict], *, prefix: str, spec: CodecSpec | None,

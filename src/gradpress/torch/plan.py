@@ -304,7 +304,7 @@ def optimizer_plan(opt: Any) -> Plan:
     """The plan of a :func:`~gradpress.torch.optimizer.DistributedOptimizer` (its
     ``plan()``): its gradients, or the momenta its 1-bit optimizer pushes itself."""
     from ..ps.calls import resolve_codec
-    from .fusion import tensor_fusion
+    from .fusion import fused_codec, tensor_fusion
 
     cfg = runtime_config()
     traffic: MomentumTraffic | None = getattr(opt, MOMENTUM_ATTR, None)
@@ -322,11 +322,13 @@ def optimizer_plan(opt: Any) -> Plan:
                   for i, p in enumerate(flat) if p.requires_grad]
     entries = [(opt._gp_names[p], key, p.numel(), exact) for key, p, exact in pushed]
     limit = cfg.min_compress_bytes if limit is None else limit
-    rows = plan_rows(entries, spec=spec, min_compress_bytes=limit,
+    push_limit = 0 if traffic is None and fused_codec(spec) is not None else limit
+    rows = plan_rows(entries, spec=spec, min_compress_bytes=push_limit,
                      partition_bytes=cfg.partition_bytes, what=what,
                      decide_fn=_measured_rule(getattr(opt, "_gp_meter", None)))
-    rows = fuse_rows(rows, tensor_fusion([(k, p) for k, p, _ in pushed], min_compress_bytes=limit,
-                                         spec=spec, cfg=cfg), cfg.partition_bytes)
+    keys = tensor_fusion([(k, p) for k, p, _ in pushed], min_compress_bytes=limit, spec=spec,
+                         cfg=cfg, exact=frozenset(k for k, _, x in pushed if x))
+    rows = fuse_rows(rows, keys, cfg.partition_bytes, spec if traffic is None else None)
     if traffic is not None:
         rows = _health_notes(opt, traffic, flat, rows) + _held_rows(opt, traffic, flat,
                                                                     cfg.partition_bytes)
@@ -381,11 +383,17 @@ def _held_rows(opt: Any, traffic: MomentumTraffic, flat: Sequence[Any], partitio
 
 
 def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
-              partition_bytes: int) -> tuple[TensorPlan, ...]:
+              partition_bytes: int, spec: CodecSpec | None = None) -> tuple[TensorPlan, ...]:
     """``rows`` with the members of the fused ``keys`` (matched by row key) marked: each
-    member's bytes are its fp32 values, and its key's first member also carries the key's
-    headers and chunks, so the rows still add up to what is pushed."""
-    from .fusion import fused_key_bytes
+    member's bytes are its share of the key's payload (its fp32 values, or its share in the
+    codec of a block-scaled ``spec``, :func:`~gradpress.torch.fusion.fused_codec`), and its
+    key's first member also carries the key's headers and chunks, so the rows still add up to
+    what is pushed."""
+    from .fusion import fused_codec, fused_key_bytes
+
+    codec = fused_codec(spec)
+    if codec is not None:
+        return _fuse_rows_compressed(rows, keys, partition_bytes, codec)
 
     where = {m: (i, k, j) for i, k in enumerate(keys) for j, m in enumerate(k.members)}
     out = []
@@ -399,6 +407,30 @@ def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
                            bytes_per_step=nbytes - 4 * (k.numel - t.numel),
                            reason=f"{t.reason}; in fused key {i + 1} ({len(k.members)} "
                                   f"tensors)"))
+    return tuple(out)
+
+
+def _fuse_rows_compressed(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
+                          partition_bytes: int, codec: CodecSpec) -> tuple[TensorPlan, ...]:
+    """:func:`fuse_rows` for fused keys that travel in ``codec``: each member carries its share
+    of its key's payload by elements, the first one the rounding."""
+    from .fusion import fused_key_bytes
+
+    where = {m: (i, k, j) for i, k in enumerate(keys) for j, m in enumerate(k.members)}
+    out = []
+    for t in rows:
+        if t.key not in where:
+            out.append(t)
+            continue
+        i, k, j = where[t.key]
+        total, chunks = fused_key_bytes(k, partition_bytes, codec)
+        share = total * t.numel // k.numel
+        if j == 0:
+            share = total - sum(total * n // k.numel for n in k.numels[1:])
+        out.append(replace(t, fused=k.name, chunks=chunks if j == 0 else 0, bytes_per_step=share,
+                           codec=codec_text(codec),
+                           reason=f"small: in fused key {i + 1} ({len(k.members)} tensors), "
+                                  f"compressed with {codec.name}"))
     return tuple(out)
 
 

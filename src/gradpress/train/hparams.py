@@ -30,7 +30,7 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         "ef": cfg.effective_ef or "none",  # the method's own when the config gives none
     }
     if cfg.optimizer != "sgd-ef":
-        hp["dense_steps"] = default_values.dense_steps_for(cfg.optimizer) \
+        hp["dense_steps"] = default_values.dense_steps_for(cfg.optimizer, cfg.compression) \
             if cfg.dense_steps is None else cfg.dense_steps
         hp["betas"] = cfg.betas or default_values.BETAS
     return hp

@@ -182,30 +182,35 @@ def codec_ratios(named: Sequence[tuple[str, Any]], spec: str, min_compress_bytes
     from ..compress.spec import parse_spec
     from ..ps.fusion import fused_keys
     from ..ps.partition import chunk_layout
-    from ..torch.fusion import fused_key_bytes
+    from ..torch.fusion import fused_codec, fused_key_bytes
 
-    small_ones = [(n, p) for n, p in reversed(named) if 4 * p.numel() < min_compress_bytes]
+    cs = parse_spec(spec)
+    packed = fused_codec(cs) is not None  # fused keys travel compressed (int4...)
+    small_ones = [(n, p) for n, p in reversed(named)
+                  if 4 * p.numel() < min_compress_bytes and not (packed and n in exact)]
     keys = fused_keys([(n, p.numel()) for n, p in small_ones], fusion_bytes,
                       breaks=[str(p.device) for _, p in small_ones])
-    fused = {m for k in keys for m in k.members}
-    comp_dense = comp_wire = model_dense = ncomp = 0
-    model_wire = sum(fused_key_bytes(k, partition_bytes)[0] for k in keys)
-    dense_only = parse_spec(spec).name == "none"
+    share = {m: fused_key_bytes(k, partition_bytes, cs)[0] * n / k.numel
+             for k in keys for m, n in zip(k.members, k.numels, strict=True)}
+    comp_dense = ncomp = 0
+    comp_wire = model_dense = model_wire = 0.0
+    dense_only = cs.name == "none"
     for name, p in named:
         numel = p.numel()
-        small = dense_only or 4 * numel < min_compress_bytes or name in exact
-        chunks = [] if name in fused else chunk_layout(numel, partition_bytes)
-        wire = sum(build("none" if small else spec, c.numel).payload_bytes for c in chunks)
+        small = dense_only or name in exact or (4 * numel < min_compress_bytes and not packed)
+        chunks = [] if name in share else chunk_layout(numel, partition_bytes)
+        wire = share.get(name, 0) + sum(build("none" if small else spec, c.numel).payload_bytes
+                                        for c in chunks)
         model_dense, model_wire = model_dense + 4 * numel, model_wire + wire
         if not small:
             comp_dense, comp_wire, ncomp = comp_dense + 4 * numel, comp_wire + wire, ncomp + 1
 
-    def ratio(a: int, b: int) -> float | None:
+    def ratio(a: float, b: float) -> float | None:
         return a / b if b else None
 
     return {"compressed_tensors": ncomp, "tensors": len(named),
-            "compressed_fp32_bytes": comp_dense, "compressed_wire_bytes": comp_wire,
-            "model_fp32_bytes": model_dense, "model_wire_bytes": model_wire,
+            "compressed_fp32_bytes": comp_dense, "compressed_wire_bytes": round(comp_wire),
+            "model_fp32_bytes": int(model_dense), "model_wire_bytes": round(model_wire),
             "compressed_vs_fp32": ratio(comp_dense, comp_wire),
             "compressed_vs_fp16": ratio(comp_dense // 2, comp_wire),
             "model_vs_fp32": ratio(model_dense, model_wire),
