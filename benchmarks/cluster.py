@@ -59,7 +59,7 @@ from cluster_models import MODELS  # noqa: E402
 from cluster_worker import GP_COLOCATED, GP_SYSTEMS  # noqa: E402
 
 SYSTEMS = ("local", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-none",
-           "gp-onebit", "gp-topk", "gp-ddp-hook", "gp-onebit-coloc")
+           "gp-onebit", "gp-topk", "gp-ddp-hook", "gp-int4", "gp-int4-hook", "gp-onebit-coloc")
 #: What runs by default (``gp-onebit-coloc`` is asked for by name).
 DEFAULT_SYSTEMS = SYSTEMS[:-1]
 LABELS = {"local": "no communication (compute floor)", "ddp-fp32": "DDP fp32 (gloo)",
@@ -68,7 +68,8 @@ LABELS = {"local": "no communication (compute floor)", "ddp-fp32": "DDP fp32 (gl
           "ddp-powersgd1": "DDP + PowerSGD hook (rank 1)", "gp-none": "gradpress none",
           "gp-onebit": "gradpress onebit", "gp-topk": "gradpress topk 0.1% fp16",
           "gp-onebit-coloc": "gradpress onebit, servers in the workers (--colocate)",
-          "gp-ddp-hook": "DDP + gradpress two-way onebit hook"}
+          "gp-ddp-hook": "DDP + gradpress two-way onebit hook",
+          "gp-int4": "gradpress int4 (the default)", "gp-int4-hook": "DDP + gradpress int4 hook"}
 BATCH = {"vgg": 8, "bert": 4, "tfm": 4, "mlp": 8}
 PARTS = ("speed", "loopback", "scaling")
 SCALING = ((2, 1), (4, 1), (2, 2), (4, 2))  # (workers, servers)

@@ -32,13 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_models import build_model, loss_of, make_batch
 
-DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-ddp-hook")
-GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk", "gp-onebit-coloc")
+DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-ddp-hook",
+               "gp-int4-hook")
+GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk", "gp-onebit-coloc", "gp-int4")
 #: gradpress systems whose servers run as threads inside the workers (``launch --colocate``).
 GP_COLOCATED = ("gp-onebit-coloc",)
 GP_SPECS = {"gp-none": ("none", None), "gp-onebit": ("onebit", "vanilla"),
             "gp-topk": ("topk:k=0.001,values=fp16", "vanilla"),
-            "gp-onebit-coloc": ("onebit", "vanilla")}
+            "gp-onebit-coloc": ("onebit", "vanilla"), "gp-int4": ("int4", "vanilla")}
 
 
 def cpu_counters() -> dict[str, float]:
@@ -96,10 +97,11 @@ def _ddp(cfg: dict, model: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[
             process_group=None, matrix_approximation_rank=1 if system.endswith("1") else 4,
             start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    elif system == "gp-ddp-hook":
+    elif system in ("gp-ddp-hook", "gp-int4-hook"):
         from gradpress.ddp import TwoWayCompressionState, two_way_compression_hook
 
-        state = TwoWayCompressionState("onebit", "vanilla",
+        codec = "int4" if system == "gp-int4-hook" else "onebit"
+        state = TwoWayCompressionState(codec, "vanilla",
                                        min_compress_bytes=_hook_bytes(cfg))
         ddp.register_comm_hook(state, two_way_compression_hook)
     return ddp, dist.barrier

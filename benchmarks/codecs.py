@@ -45,15 +45,15 @@ from gradpress.sim.rates import best_time
 
 SPECS = ("none", "fp16", "bf16", "onebit", "topk:k=0.001", "topk:k=0.001,values=fp16",
          "topk:k=0.001,values=fp16,indices=int32", "randomk:k=0.01", "dithering:s=7",
-         "dithering:s=7,partition=natural")
+         "dithering:s=7,partition=natural", "int2", "int3", "int4", "int8")
 #: fraction of the copy speed each family must reach (compress and decompress)
 TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "randomk": 0.5, "dithering": 0.25,
-           "topk": 0.25}
+           "topk": 0.25, "int2": 0.8, "int3": 0.8, "int4": 0.8, "int8": 0.8}
 RECALL_TARGET = 0.95
 EF_SPECS = ("onebit", "fp16", "bf16", "topk:k=0.001", "topk:k=0.001,values=fp16", "dithering:s=7",
-            "dithering:s=7,partition=natural")
+            "dithering:s=7,partition=natural", "int4", "int8")
 #: fraction of the copy speed the fused error-feedback compress must reach
-EF_TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "topk": 0.25}
+EF_TARGETS = {"fp16": 0.5, "bf16": 0.5, "onebit": 0.5, "topk": 0.25, "int4": 0.5, "int8": 0.5}
 SCALING_TARGET = 1.6
 
 

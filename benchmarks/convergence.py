@@ -46,7 +46,7 @@ from typing import Any
 CODECS: dict[str, str] = {
     "none": "none", "fp16": "fp16", "onebit": "onebit",
     "topk": "topk:k=0.001,values=fp16", "randomk": "randomk:k=0.01",
-    "dithering": "dithering:s=7",
+    "dithering": "dithering:s=7", "int2": "int2", "int3": "int3", "int4": "int4", "int8": "int8",
 }
 #: Optimizers behind a gradient codec (``--dense-steps`` is their dense phase; they ran with
 #: the option ``uncompressed-steps`` when the study began).

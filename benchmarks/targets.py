@@ -94,6 +94,10 @@ class Target:
     workers: int = WORKERS
     batch_size: int | None = None   # per worker, on both runs (None: the task's)
     stable_only: bool = False       # only: no divergence where LANS does not (the lr sweep)
+    #: The method's optimizer: ``onebit-lans`` (``gp.OneBitLANS`` through the script), or an
+    #: optimizer run as it is behind ``gradpress train``'s codec (issue 51's default route).
+    optimizer: str = "onebit-lans"
+    base_optimizer: str = "lans"    # the uncompressed baseline's optimizer
 
     @property
     def suffix(self) -> str:
@@ -130,7 +134,34 @@ TARGETS: tuple[Target, ...] = (
     *(Target(f"onebit-{short}-12800", task, 12800, "onebit", 3.0, "%", min_ratio=8.0,
              schedule="constant")
       for short, task in (("mlm", "stdlib-mlm"), ("lm", "stdlib-lm"), ("words", "stdlib-words"))),
+    # issue 51: the default, LANS as it is on two-way int4 gradients, against LANS; issue 38's
+    # 12800-step targets are withdrawn (above: the record of the 32x option)
+    *(Target(f"int4-mlm-{n}", "stdlib-mlm", n, "int4", 1.0, "%", min_ratio=7.5,
+             optimizer="lans") for n in (800, 1600, 3200)),
+    Target("int4-lm-800", "stdlib-lm", 800, "int4", 1.0, "%", min_ratio=7.5, optimizer="lans"),
+    Target("int4-digits", "digits-cnn", None, "int4", 0.3, "points", min_ratio=7.5,
+           optimizer="lans"),
+    Target("int4-words-1000", "stdlib-words", 1000, "int4", 1.0, "%", min_ratio=7.5,
+           schedule="constant", optimizer="lans"),
+    *(Target(f"int4-words-1000-lr{x:g}x", "stdlib-words", 1000, "int4", 1.0, "%",
+             min_ratio=7.5, schedule="constant", lr_scale=x, optimizer="lans")
+      for x in (0.5, 2.0)),
+    Target("int4-words-1000-w4", "stdlib-words", 1000, "int4", 1.0, "%", min_ratio=7.5,
+           schedule="constant", workers=4, batch_size=8, optimizer="lans"),
+    Target("int4-words-4000", "stdlib-words", 4000, "int4", 1.0, "%", min_ratio=7.5,
+           schedule="constant", optimizer="lans"),
+    # issue 51: the same with AdamW as the wrapped optimizer, against AdamW uncompressed
+    Target("int4-adamw-mlm-800", "stdlib-mlm", 800, "int4", 1.0, "%", min_ratio=7.5,
+           optimizer="adam", base_optimizer="adam"),
 )
+#: Issue 51's frontier: bits against the gap, one seed per task (``--targets frontier-...``).
+FRONTIER: tuple[Target, ...] = tuple(
+    Target(f"frontier-{short}-{codec}", task, steps, codec, 1.0 if unit == "%" else 0.3, unit,
+           seeds=(0,), optimizer="lans", schedule=schedule)
+    for short, task, steps, unit, schedule in (
+        ("lm-800", "stdlib-lm", 800, "%", None), ("digits", "digits-cnn", None, "points", None),
+        ("words-1000", "stdlib-words", 1000, "%", "constant"))
+    for codec in ("int2", "int3", "int8", "onebit"))
 
 
 @dataclass(frozen=True)
@@ -170,21 +201,25 @@ def length(t: Target) -> int:
     return task.defaults.total_steps(task.steps_per_epoch(WORKERS, task.defaults.batch_size))
 
 
-def pair(t: Target, seed: int, out: Path) -> tuple[Run, FactoryRun]:
+def pair(t: Target, seed: int, out: Path) -> tuple[Run, Run]:
     """Step 1: the (baseline, method) runs of one seed."""
     steps, root = length(t), out / t.task
     epochs = _task(t.task).defaults.epochs if t.steps is None else None
-    lr = lr_for(t.task, "lans", "none") * t.lr_scale
+    lr = lr_for(t.task, t.base_optimizer, "none") * t.lr_scale
     own = {k: v for k, v in (("schedule", t.schedule), ("workers", t.workers),
                              ("batch-size", t.batch_size))
            if v is not None and (k, v) != ("workers", WORKERS)}
     name = f"st{steps}{t.suffix}_s{seed}"
     rows = hasattr(_task(t.task), "unseen_in_training")  # benchmarks/row_drift.py's runs
-    base_out = root / f"lans_none_{name}"
-    base = Run(t.task, "lans", "none", "base", seed, lr, None if epochs else steps, epochs,
-               base_out, {"weight-decay": WEIGHT_DECAY, **own,
-                          **({"checkpoint-every": steps} if rows else {})})
+    base_out = root / f"{t.base_optimizer}_none_{name}"
+    base = Run(t.task, t.base_optimizer, "none", "base", seed, lr, None if epochs else steps,
+               epochs, base_out, {"weight-decay": WEIGHT_DECAY, **own,
+                                  **({"checkpoint-every": steps} if rows else {})})
     codec = SHORT[t.codec]
+    if t.optimizer != "onebit-lans":  # the optimizer as it is, behind the codec (issue 51)
+        lr = lr_for(t.task, t.optimizer, t.codec) * t.lr_scale
+        return base, replace(base, optimizer=t.optimizer, codec=codec, lr=lr,
+                             out=root / f"{t.optimizer}_{codec}_{name}")
     method_out = root / f"onebit-lans_{codec}_{name}"
     method = FactoryRun(t.task, "onebit-lans", codec, "factory", seed,
                         lr_for(t.task, "onebit-lans", codec) * t.lr_scale, steps, None,
@@ -398,7 +433,7 @@ def write(table: Mapping[str, Any], results: Path, page: Path) -> None:
 
 def select(names: Sequence[str] | None, seeds: Sequence[int] | None) -> list[Target]:
     """The targets named (all by default), with ``seeds`` if given."""
-    known = {t.name: t for t in TARGETS}
+    known = {t.name: t for t in (*TARGETS, *FRONTIER)}
     bad = [n for n in names or () if n not in known]
     if bad:
         raise ValueError(f"unknown target(s) {bad}; valid: {', '.join(known)}")

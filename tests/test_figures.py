@@ -200,7 +200,6 @@ CITATION = re.compile(r"the paper reports|\breports that\b|\bpublished:|\*\*esti
 NOT_MEASURED = [
     ("design.md", "k=0.1%, fp16, 4 MiB chunk: 0.036"),  # bits per element of the format
     ("design.md", "k=1%: 0.32"),
-    ("guide.md", "32x fewer bytes than fp32; error feedback"),  # 1 bit against 32
     ("guide.md", "the largest tensors holding 95% of the bytes"),  # the "auto" rule
     ("guide.md", "1 of 4 compressed, 24.0x vs fp32"),  # test_guide_plan_example_is_what_...
     ("guide.md", "a one-bit run is below 32x"),

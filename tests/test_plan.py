@@ -83,7 +83,7 @@ def test_plan_chunks_and_defaults_follow_the_runtime_config(monkeypatch) -> None
     assert big.chunks == 3
     assert big.bytes_per_step == sum(build("onebit", n).payload_bytes for n in (3072, 3072, 1856))
     assert _row(plan, "2.weight").reason == "below min_compress_bytes (20 KiB)"  # 19.2 KB
-    assert plan.ef is None
+    assert plan.ef == "vanilla"  # a lossy codec gets error feedback unless told otherwise
 
 
 def test_nothing_compressed_and_the_nonfinite_flag() -> None:

@@ -56,13 +56,36 @@ ISSUE_38 = {
 }
 
 
+#: The targets of issue 51, the default (int4 two-way behind the optimizer as it is):
+#: name -> (task, steps, threshold, unit, lr scale, workers, optimizer, baseline optimizer).
+ISSUE_51 = {
+    "int4-mlm-800": ("stdlib-mlm", 800, 1.0, "%", 1.0, 2, "lans", "lans"),
+    "int4-mlm-1600": ("stdlib-mlm", 1600, 1.0, "%", 1.0, 2, "lans", "lans"),
+    "int4-mlm-3200": ("stdlib-mlm", 3200, 1.0, "%", 1.0, 2, "lans", "lans"),
+    "int4-lm-800": ("stdlib-lm", 800, 1.0, "%", 1.0, 2, "lans", "lans"),
+    "int4-digits": ("digits-cnn", None, 0.3, "points", 1.0, 2, "lans", "lans"),
+    "int4-words-1000": ("stdlib-words", 1000, 1.0, "%", 1.0, 2, "lans", "lans"),
+    "int4-words-1000-lr0.5x": ("stdlib-words", 1000, 1.0, "%", 0.5, 2, "lans", "lans"),
+    "int4-words-1000-lr2x": ("stdlib-words", 1000, 1.0, "%", 2.0, 2, "lans", "lans"),
+    "int4-words-1000-w4": ("stdlib-words", 1000, 1.0, "%", 1.0, 4, "lans", "lans"),
+    "int4-words-4000": ("stdlib-words", 4000, 1.0, "%", 1.0, 2, "lans", "lans"),
+    "int4-adamw-mlm-800": ("stdlib-mlm", 800, 1.0, "%", 1.0, 2, "adam", "adam"),
+}
+
+
 def test_the_targets_are_the_issues(tg: ModuleType) -> None:
+    onebit = [t for t in tg.TARGETS if t.optimizer == "onebit-lans"]
     got = {t.name: (t.task, t.steps, t.codec, t.threshold, t.unit, t.min_ratio)
-           for t in tg.TARGETS if t.schedule is None}
+           for t in onebit if t.schedule is None}
     assert got == ISSUE_26
     got = {t.name: (t.task, t.steps, t.min_ratio, t.lr_scale, t.workers)
-           for t in tg.TARGETS if t.schedule is not None}
+           for t in onebit if t.schedule is not None}
     assert got == ISSUE_38
+    got = {t.name: (t.task, t.steps, t.threshold, t.unit, t.lr_scale, t.workers, t.optimizer,
+                    t.base_optimizer) for t in tg.TARGETS if t.optimizer != "onebit-lans"}
+    assert got == ISSUE_51
+    assert all(t.codec == "int4" and t.min_ratio == 7.5 for t in tg.TARGETS
+               if t.name in ISSUE_51)
     assert all((t.codec, t.threshold, t.unit, t.schedule) == ("onebit", 3.0, "%", "constant")
                for t in tg.TARGETS if t.name in ISSUE_38)
     assert all(t.seeds == (0, 1, 2) for t in tg.TARGETS)
@@ -122,8 +145,9 @@ def test_commands(tg: ModuleType, name: str, tmp_path: Path) -> None:
 def test_baselines_are_shared_and_digits_runs_176_steps(tg: ModuleType, tmp_path: Path) -> None:
     runs = tg.all_runs(tg.TARGETS, tmp_path)
     outs = [r.out for r in runs]
-    # issue 26: 5 baselines + 8 methods; issue 38: 8 baselines + 8 methods
-    assert len(outs) == len(set(outs)) and len(runs) == 3 * (13 + 16)
+    # issue 26: 5 baselines + 8 methods; issue 38: 8 baselines + 8 methods; issue 51: 11
+    # methods (sharing the LANS baselines) + AdamW's baseline
+    assert len(outs) == len(set(outs)) and len(runs) == 3 * (13 + 16 + 12)
     digits = next(t for t in tg.TARGETS if t.task == "digits-cnn")
     assert tg.length(digits) == 176  # 8 epochs x 22 steps (1437 images, 2 x 32 a step)
 
@@ -300,3 +324,20 @@ def test_clan_script_leaves_the_factory_defaults_alone() -> None:
                                             "16384", "--uncompressed-params", "pos.weight"]))
     assert got == {"uncompressed_params": ["pos.weight"], "dense_steps": 160,
                    "min_compress_bytes": 16384}
+
+
+def test_the_default_runs_the_optimizer_as_it_is_beside_its_baseline(tg: ModuleType,
+                                                                     tmp_path: Path) -> None:
+    t = next(t for t in tg.TARGETS if t.name == "int4-lm-800")
+    base, method = tg.pair(t, 2, tmp_path)
+    d = tmp_path / "stdlib-lm"
+    assert method.shell() == (
+        "gradpress train --task stdlib-lm --optimizer lans --compression int4 --lr 0.01 "
+        "--steps 800 --weight-decay 0.01 --dense-steps 0 --seed 2 --no-progress --out "
+        f"{d}/lans_int4_st800_s2")
+    assert base.out == d / "lans_none_st800_s2"  # issue 26's baseline, shared
+    adamw = next(t for t in tg.TARGETS if t.name == "int4-adamw-mlm-800")
+    base, method = tg.pair(adamw, 0, tmp_path)
+    assert (base.optimizer, base.codec, method.optimizer, method.codec) == \
+        ("adam", "none", "adam", "int4")
+    assert base.lr == method.lr == 1e-3

@@ -15,14 +15,15 @@ __all__ = [
     "COMPRESSION", "ONEBIT_COMPRESSION", "WRAPPER_COMPRESSION", "EF", "MOMENTUM_EF",
     "DENSE_STEPS", "WRAPPER_DENSE_STEPS", "MIN_COMPRESS_BYTES", "UNCOMPRESSED_PARAMS",
     "WEIGHT_DECAY", "BETAS", "EPS", "SGD_MOMENTUM", "HOOK_MIN_COMPRESS_BYTES", "NAN_POLICY",
-    "NAN_POLICIES", "dense_steps_for", "ef_for", "BLOCK_SCALED",
+    "NAN_POLICIES", "dense_steps_for", "ef_for", "BLOCK_SCALED", "ONEBIT_METHODS",
+    "compression_for",
 ]
 
-#: 4-bit codes with a bfloat16 scale per 128 elements (7.8x fewer bytes than fp32), two-way
+#: 4-bit codes with a bfloat16 scale per 128 elements (4.125 bits an element), two-way
 #: with error feedback: the user's optimizer keeps its accuracy on every bundled task
 #: (``docs/guide.md#the-frontier``); ``none`` is bit-identical to the optimizer alone.
 COMPRESSION = "int4"
-#: The 32x methods (``gp.CLAN``, ``gp.OneBitLANS``): one bit per element instead of fp32's 32,
+#: The one-bit methods (``gp.CLAN``, ``gp.OneBitLANS``): one bit per element instead of 32,
 #: with error feedback; where they lose is in ``docs/optimizers.md``.
 ONEBIT_COMPRESSION = "onebit"
 #: Every residual is kept until sent, on workers and servers alike, as in the paper.
@@ -65,6 +66,16 @@ NAN_POLICIES = ("raise", "skip")
 _DENSE_METHODS = ("clan", "onebit-lans", "onebit-adam")
 #: The methods that send their momentum and take :data:`MOMENTUM_EF`.
 _MOMENTUM_METHODS = ("onebit-lans",)
+
+
+#: The methods whose compression defaults to :data:`ONEBIT_COMPRESSION` (the paper's and the
+#: 1-bit optimizers); every other optimizer takes :data:`COMPRESSION`.
+ONEBIT_METHODS = ("clan", "onebit-lans", "onebit-adam")
+
+
+def compression_for(method: str) -> str:
+    """The default codec of ``method`` (a ``gradpress train --optimizer`` name)."""
+    return ONEBIT_COMPRESSION if method in ONEBIT_METHODS else COMPRESSION
 
 
 def dense_steps_for(method: str, compression: Any = None) -> int:

@@ -53,8 +53,10 @@ class OptimizerConfig:
     method: str = "clan"
     #: The peak learning rate (a schedule may scale the groups' ``lr`` afterwards).
     lr: float = 1e-3
-    #: Codec spec of the gradients (of the momenta for the 1-bit methods).
-    compression: Compression = defaults.COMPRESSION
+    #: Codec spec of the gradients (of the momenta for the 1-bit methods); None: the method's
+    #: (:func:`gradpress.defaults.compression_for`: ``onebit`` for ``clan`` and the 1-bit
+    #: methods, ``int4`` for an optimizer run as it is).
+    compression: Compression | None = None
     #: Error feedback; None: the method's (:func:`gradpress.defaults.ef_for`).
     ef: str | EFSpec | None = None
     #: Uncompressed opening steps; None: the method's (:func:`gradpress.defaults.dense_steps_for`).
@@ -76,6 +78,8 @@ class OptimizerConfig:
         if self.method not in METHODS:
             raise ValueError(f"unknown optimizer method {self.method!r}; valid: "
                              f"{', '.join(METHODS)}")
+        if self.compression is None:
+            object.__setattr__(self, "compression", defaults.compression_for(self.method))
         lo = 1 if self.method in MOMENTUM_METHODS else 0
         d = self.dense_steps
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < lo):

@@ -77,7 +77,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
         named_parameters: ``model.named_parameters()``; names key the tensors on all workers.
             Without it, names are ``group{g}.param{i}`` (same model on all workers required).
         compression: codec spec. Default ``"int4"``: 4-bit codes with a scale per 128
-            elements, 7.8x fewer bytes than fp32, the optimizer's accuracy kept
+            elements (4.125 bits an element), the optimizer's accuracy kept
             (``docs/guide.md#the-frontier``); ``"none"`` is exact, bit for bit the optimizer on
             the averaged gradients; ``"onebit"``, ``"topk:k=0.001,values=fp16"``, a BytePS dict.
         ef: error feedback (default ``"vanilla"`` for every lossy codec, ``"none"`` to turn

@@ -224,7 +224,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def demo_configs(args: argparse.Namespace, out: Path,
                  tensorboard: bool = False) -> list[TrainConfig]:
     """The demo's runs: digits-cnn with CLAN's optimizer uncompressed, on two-way ``int4``
-    gradients (the default) and one-bit (CLAN, the paper's 32x method)."""
+    gradients (the default) and one-bit (CLAN, the paper's method)."""
     # no dense steps: a small CNN shows no gap without them (docs/guide.md)
     return [TrainConfig(name=name, task="digits-cnn", compression=spec, ef="vanilla",
                         optimizer="clan", lr=lr, epochs=args.epochs, steps=args.steps,

@@ -80,10 +80,12 @@ class TrainConfig:
                                      positional=True)
     workers: int = option(2, "worker processes", metavar="N")
     servers: int = option(1, "parameter-server processes", metavar="N")
-    compression: str = option(defaults.COMPRESSION, "codec spec of the gradients (of the "
-                                                    "momenta for onebit-adam/onebit-lans), e.g. "
-                                                    "none, topk:k=0.001,values=fp16",
-                              metavar="SPEC")
+    compression: str = option(None, "codec spec of the gradients (of the momenta for "
+                                    "onebit-adam/onebit-lans), e.g. none, int8, "
+                                    f"topk:k=0.001,values=fp16 (default: "
+                                    f"{defaults.ONEBIT_COMPRESSION} for "
+                                    f"{', '.join(defaults.ONEBIT_METHODS)}, "
+                                    f"{defaults.COMPRESSION} otherwise)", metavar="SPEC")
     ef: str | None = option(None, "error feedback on workers and servers (default: "
                                   f"{defaults.MOMENTUM_EF} for onebit-lans, {defaults.EF} "
                                   "otherwise); vanilla also as vanilla:decay=B[,server_decay=S]"
@@ -148,6 +150,8 @@ class TrainConfig:
                                             "package is installed)")
 
     def __post_init__(self) -> None:
+        if self.compression is None:
+            object.__setattr__(self, "compression", defaults.compression_for(self.optimizer))
         self._check_what()
         for name in ("workers", "servers"):
             _positive_int(self, name, optional=False)
