@@ -106,13 +106,13 @@ def test_strategy_defaults_and_arguments() -> None:
     s = TwoWayCompressionStrategy()
     assert isinstance(s.comm_state, TwoWayCompressionState)
     assert s._ddp_comm_hook is two_way_compression_hook
-    assert (s.comm_state.compression, s.comm_state.ef) == (parse_spec("onebit"),
+    assert (s.comm_state.compression, s.comm_state.ef) == (parse_spec("int4"),
                                                            parse_ef("vanilla"))
     mine = TwoWayCompressionState("topk:k=0.01", min_compress_bytes=0)
     assert TwoWayCompressionStrategy(ddp_comm_state=mine).comm_state is mine
     assert s.compression_stats["bytes_sent"] == 0
     ps = ParameterServerStrategy()
-    assert ps._opt_kwargs["compression"] == "onebit" and ps._opt_kwargs["ef"] == "vanilla"
+    assert ps._opt_kwargs["compression"] == "int4" and ps._opt_kwargs["ef"] == "vanilla"
     assert ps.process_group_backend == "gloo"
     with pytest.raises(TypeError, match="ddp_comm_hook"):
         ParameterServerStrategy(ddp_comm_hook=two_way_compression_hook)

@@ -318,9 +318,9 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
         assert r.get("tensorboard") == (str(out / r["run"] / "tensorboard") if events else None)
     if tensorboard_available():
         assert f"tensorboard --logdir {out}" in p.stdout
-    none, onebit, topk = rep["runs"]
+    none, int4, onebit = rep["runs"]
     assert none["model_ratio_vs_fp32"] < 1.01
-    assert topk["compressed_ratio_vs_fp16"] > onebit["compressed_ratio_vs_fp16"] > 10
+    assert onebit["compressed_ratio_vs_fp16"] > 10 and 3.5 < int4["compressed_ratio_vs_fp16"] < 4
     assert "int4" in rep["table"] and rep["table"] in p.stdout
     _pngs_ok(out, (*PLOTS, "eval_vs_step.png"))
 

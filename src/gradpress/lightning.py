@@ -107,7 +107,7 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
 
     Takes ``DDPStrategy``'s arguments. ``ddp_comm_hook`` defaults to
     :func:`~gradpress.ddp.two_way_compression_hook` and ``ddp_comm_state`` to
-    ``TwoWayCompressionState(compression)``: ``compression`` (default ``"onebit"``) is a spec
+    ``TwoWayCompressionState(compression)``: ``compression`` (default ``"int4"``) is a spec
     string, a BytePS-style dict or a ``CodecSpec``, with vanilla error feedback and buckets from
     1 MiB; build your own state for other settings (then leave ``compression`` out). Replicas
     stay bit-identical (every rank decodes the same bytes). ``log_stats`` (default True) logs
@@ -136,7 +136,7 @@ class TwoWayCompressionStrategy(_StatsLogging, DDPStrategy):
                             f"{getattr(ddp_comm_hook, '__name__', ddp_comm_hook)}")
         if ddp_comm_state is None and ddp_comm_hook is two_way_compression_hook:
             ddp_comm_state = TwoWayCompressionState(
-                "onebit" if compression is None else compression)
+                defaults.COMPRESSION if compression is None else compression)
         super().__init__(ddp_comm_state=ddp_comm_state, ddp_comm_hook=ddp_comm_hook, **kwargs)
         self._log_stats = log_stats
         self._hook_registered = False
@@ -226,7 +226,7 @@ class ParameterServerStrategy(_StatsLogging, DDPStrategy):
 
     The LightningModule is unchanged. The arguments mirror
     :func:`gradpress.DistributedOptimizer` with the defaults of :mod:`gradpress.defaults`
-    (``compression="onebit"``, ``ef="vanilla"``, ``min_compress_bytes="auto"``, no dense steps);
+    (``compression="int4"``, ``ef="vanilla"``, ``min_compress_bytes="auto"``, no dense steps);
     ``init`` holds :func:`gradpress.init` overrides (``PSConfig`` fields, e.g. ``{"timeout":
     60}``); the other keywords are ``DDPStrategy``'s (``accelerator``, ``parallel_devices``,
     ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``start_method``). Servers

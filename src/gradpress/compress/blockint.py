@@ -25,8 +25,8 @@ Payload body (after the 40-byte header)::
                                                 element i in stream bits [i*N, i*N + N),
                                                 code = q | sign << (N-1), sign 1 = negative
 
-``nblocks = ceil(numel / B)``; bits per element ``N + 16 / B`` (int4, B = 128: 4.125). Every code is a valid value, so a payload can only be hostile through its
-header (checked like every codec's) or its scales (a NaN/inf scale decodes to NaN;
+``nblocks = ceil(numel / B)``; bits per element ``N + 16 / B`` (int4, B = 128: 4.125).
+Every code is a valid value, so a payload can only be hostile through its header (checked like every codec's) or its scales (a NaN/inf scale decodes to NaN;
 :meth:`payload_finite` sees it from the bytes).
 
 Non-finite input: ``nan_policy='raise'`` raises ValueError (found by step 1, no extra pass);

@@ -35,7 +35,7 @@ class TwoWayCompressionState(BucketPipeline):
     index: one worker codec per shard (error-feedback residual per (bucket, shard)), one server
     codec for the shard this rank owns (the server residual), a step counter, and wire buffers.
 
-    1. ``compression`` (default ``"onebit"``) is the codec, given as everywhere in gradpress:
+    1. ``compression`` (default ``"int4"``) is the codec, given as everywhere in gradpress:
        a spec string (``"onebit"``, ``"topk:k=0.001,values=fp16"``, ``"randomk:k=0.01"``,
        ``"dithering:s=7"``), a BytePS-style dict (``{"compressor": "topk", "k": 0.01}``) or a
        :class:`~gradpress.compress.CodecSpec`. It sets the compression rate: onebit sends ~1
