@@ -26,8 +26,9 @@ Payload body (after the 40-byte header)::
                                                 code = q | sign << (N-1), sign 1 = negative
 
 ``nblocks = ceil(numel / B)``; bits per element ``N + 16 / B`` (int4, B = 128: 4.125).
-Every code is a valid value, so a payload can only be hostile through its header (checked like every codec's) or its scales (a NaN/inf scale decodes to NaN;
-:meth:`payload_finite` sees it from the bytes).
+Every code is a valid value, so a payload can only be hostile through its header (checked
+like every codec's) or its scales (a NaN/inf scale decodes to NaN; :meth:`payload_finite`
+sees it from the bytes).
 
 Non-finite input: ``nan_policy='raise'`` raises ValueError (found by step 1, no extra pass);
 ``'allow'`` gives the block the NaN scale, so the NaN reaches the receiver as it would
