@@ -127,7 +127,33 @@ def render(out: Path, argv: list[str]) -> str:
     if points:
         plot(points)
         lines += ["", "![frontier](../../../docs/img/frontier.png)"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + attempts(out)) + "\n"
+
+
+def attempts(out: Path) -> list[str]:
+    """Step 2, last part: the runs in ``attempts/`` (stdlib-mlm 800 seed 1, where int4 missed
+    its target), each against the recorded LANS baseline of its seed."""
+    import json
+
+    found = sorted((RECORD.parent / "attempts").glob("*/report.json"))
+    if not found:
+        return []
+    lines = ["", "## Attempts on stdlib-mlm 800, seed 1 (int4: +7.68%)", "",
+             "Each is one `gradpress train --task stdlib-mlm --optimizer lans --lr 0.01 "
+             "--steps 800 --weight-decay 0.01 --dense-steps 0 --seed 1` with the settings "
+             "in its `config.json` (`attempts/<name>/`), against `lans_none_st800_s1`.", "",
+             "| attempt | compression | exact by name | gap | bytes vs fp32 |",
+             "|---|---|---|---|---|"]
+    for path in found:
+        rep = json.loads(path.read_text())
+        seed = int(rep["config"]["seed"])
+        base = json.loads((out / "stdlib-mlm" / f"lans_none_st800_s{seed}" / "report.json")
+                          .read_text())
+        exact = ", ".join(rep["config"].get("uncompressed_params") or []) or "-"
+        lines.append(f"| {path.parent.name} | {rep['config']['compression']} | {exact} | "
+                     f"{tg._gap(tg.gap(rep, base, '%'), '%')} | "
+                     f"{float(rep['model_ratio_vs_fp32']):.2f}x |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
