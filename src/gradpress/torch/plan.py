@@ -385,16 +385,13 @@ def _held_rows(opt: Any, traffic: MomentumTraffic, flat: Sequence[Any], partitio
 def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
               partition_bytes: int, spec: CodecSpec | None = None) -> tuple[TensorPlan, ...]:
     """``rows`` with the members of the fused ``keys`` (matched by row key) marked: each
-    member's bytes are its share of the key's payload (its fp32 values, or its share in the
-    codec of a block-scaled ``spec``, :func:`~gradpress.torch.fusion.fused_codec`), and its
-    key's first member also carries the key's headers and chunks, so the rows still add up to
-    what is pushed."""
-    from .fusion import fused_codec, fused_key_bytes
+    member's bytes are its share of the key's payload (its fp32 values, or its share by
+    elements in the codec of a block-scaled ``spec``,
+    :func:`~gradpress.torch.fusion.fused_codec`), and its key's first member also carries the
+    key's headers, chunks and rounding, so the rows still add up to what is pushed."""
+    from .fusion import fused_codec
 
     codec = fused_codec(spec)
-    if codec is not None:
-        return _fuse_rows_compressed(rows, keys, partition_bytes, codec)
-
     where = {m: (i, k, j) for i, k in enumerate(keys) for j, m in enumerate(k.members)}
     out = []
     for t in rows:
@@ -402,36 +399,27 @@ def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
             out.append(t)
             continue
         i, k, j = where[t.key]
-        nbytes, chunks = fused_key_bytes(k, partition_bytes) if j == 0 else (4 * k.numel, 0)
-        out.append(replace(t, fused=k.name, chunks=chunks,
-                           bytes_per_step=nbytes - 4 * (k.numel - t.numel),
-                           reason=f"{t.reason}; in fused key {i + 1} ({len(k.members)} "
-                                  f"tensors)"))
+        nbytes, chunks = _member_bytes(k, j, t.numel, partition_bytes, codec)
+        reason = f"{t.reason}; in fused key {i + 1} ({len(k.members)} tensors)" \
+            if codec is None else (f"small: in fused key {i + 1} ({len(k.members)} tensors), "
+                                   f"compressed with {codec.name}")
+        out.append(replace(t, fused=k.name, chunks=chunks, bytes_per_step=nbytes,
+                           codec=t.codec if codec is None else codec_text(codec),
+                           reason=reason))
     return tuple(out)
 
 
-def _fuse_rows_compressed(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
-                          partition_bytes: int, codec: CodecSpec) -> tuple[TensorPlan, ...]:
-    """:func:`fuse_rows` for fused keys that travel in ``codec``: each member carries its share
-    of its key's payload by elements, the first one the rounding."""
+def _member_bytes(k: FusedKey, j: int, numel: int, partition_bytes: int,
+                  codec: CodecSpec | None) -> tuple[int, int]:
+    """``(bytes, chunks)`` the ``j``-th member of fused key ``k`` carries in :func:`fuse_rows`."""
     from .fusion import fused_key_bytes
 
-    where = {m: (i, k, j) for i, k in enumerate(keys) for j, m in enumerate(k.members)}
-    out = []
-    for t in rows:
-        if t.key not in where:
-            out.append(t)
-            continue
-        i, k, j = where[t.key]
-        total, chunks = fused_key_bytes(k, partition_bytes, codec)
-        share = total * t.numel // k.numel
-        if j == 0:
-            share = total - sum(total * n // k.numel for n in k.numels[1:])
-        out.append(replace(t, fused=k.name, chunks=chunks if j == 0 else 0, bytes_per_step=share,
-                           codec=codec_text(codec),
-                           reason=f"small: in fused key {i + 1} ({len(k.members)} tensors), "
-                                  f"compressed with {codec.name}"))
-    return tuple(out)
+    total, chunks = fused_key_bytes(k, partition_bytes, codec)
+    if codec is None:  # fp32 values; the first member also the headers
+        return (total if j == 0 else 4 * k.numel) - 4 * (k.numel - numel), chunks if j == 0 else 0
+    if j == 0:
+        return total - sum(total * n // k.numel for n in k.numels[1:]), chunks
+    return total * numel // k.numel, 0
 
 
 def _measured_rule(meter: Any) -> Callable[..., Decision]:
