@@ -171,7 +171,8 @@ def test_two_way_compression_strategy(tmp_path: Path) -> None:
     for r in ranks:
         s = r["stats"]
         assert s["iter"] == 16 and s["compressed_buckets"] == 16
-        assert 0 < s["bytes_sent"] < s["fp32_bytes"] / 8, s  # onebit: ~1/32 of fp32
+        # int4, the default: 1/7.8 of fp32 on compressed buckets; buckets under 1 MiB exact
+        assert 0 < s["bytes_sent"] < s["fp32_bytes"] / 4, s
     assert "gradpress/bytes_sent" in metrics(tmp_path / "a")
     ckpt = tmp_path / "a" / "ckpt" / "epoch=0-step=8.ckpt"
     entry = torch.load(ckpt, weights_only=True)["gradpress"]
