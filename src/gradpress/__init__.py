@@ -9,6 +9,7 @@ The public API (see ``docs/reference/api.md``)::
     opt = gp.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters(), ...)
     opt = gp.CLAN(model.named_parameters(), lr=1e-3, compression="onebit")       # the paper's
     opt = gp.OneBitLANS(model.named_parameters(), lr=1e-3, compression="onebit")  # transformers
+    with gp.DiLoCo(model, torch.optim.AdamW(model.parameters()), sync_every=50): ...  # slow links
     print(opt.plan().format())    # per tensor: exact or which codec, bytes per step, and why
     gp.broadcast_parameters(model.state_dict(), root_rank=0)
     gp.stats(); gp.shutdown()
@@ -42,6 +43,7 @@ _LAZY = {
     "load_server_state": "gradpress.api",
     "DistributedOptimizer": "gradpress.torch.optimizer",
     "CLAN": "gradpress.torch.clan",
+    "DiLoCo": "gradpress.torch.diloco",
     "OneBitLANS": "gradpress.torch.clan",
     "Plan": "gradpress.torch.plan",
     "TensorPlan": "gradpress.torch.plan",

@@ -38,6 +38,9 @@ WRAPPER_COMPRESSION = COMPRESSION
 DENSE_STEPS = 100
 #: An optimizer of the user's, wrapped as it is, compresses from the first step.
 WRAPPER_DENSE_STEPS = 0
+#: ``gp.DiLoCo``: inner steps per outer step (bytes per step fall as 1/H; DiLoCo's own
+#: choice, and where the accuracy target of ``docs/guide.md`` is measured).
+DILOCO_SYNC_EVERY = 50
 #: Measured, not a byte count tuned on one model: the largest tensors holding
 #: :data:`~gradpress.torch.agreement.COMPRESSED_SHARE` of the model's bytes, and every tensor of
 #: 1 MiB or more, are compressed (:func:`gradpress.torch.agreement.auto_min_compress_bytes`).

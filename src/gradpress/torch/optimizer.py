@@ -111,6 +111,22 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
             steps there is nothing to measure: every tensor above ``min_compress_bytes`` is
             compressed).
     """
+    return _wrap(optimizer, named_parameters, compression=compression, ef=ef, momentum=momentum,
+                 mu=mu, min_compress_bytes=min_compress_bytes,
+                 backward_passes_per_step=backward_passes_per_step, nan_policy=nan_policy,
+                 dense_steps=dense_steps, uncompressed_params=uncompressed_params)
+
+
+def _wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, Any]] | None,
+          *, compression: Any = defaults.WRAPPER_COMPRESSION, ef: str | EFSpec | None = None,
+          momentum: str | None = None, mu: float = 0.9,
+          min_compress_bytes: int | str | None = defaults.MIN_COMPRESS_BYTES,
+          backward_passes_per_step: int = 1, nan_policy: str = defaults.NAN_POLICY,
+          dense_steps: int = defaults.WRAPPER_DENSE_STEPS,
+          uncompressed_params: Iterable[str] | str = defaults.UNCOMPRESSED_PARAMS,
+          on_backward: bool = True) -> Any:
+    """:func:`DistributedOptimizer`; with ``on_backward=False`` no gradient hook starts a push
+    during backward: ``step()`` pushes every gradient (what ``gp.DiLoCo``'s outer step does)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -125,7 +141,7 @@ def DistributedOptimizer(  # noqa: N802  (factory named like the class it return
     if isinstance(dense_steps, bool) or not isinstance(dense_steps, int) or dense_steps < 0:
         raise ValueError(f"dense_steps must be an int >= 0, got {dense_steps!r}")
     obj._gp_init(named_parameters, compression, ef, momentum, mu, min_compress_bytes,
-                 backward_passes_per_step, nan_policy, uncompressed_params)
+                 backward_passes_per_step, nan_policy, uncompressed_params, on_backward)
     obj._gp_dense_steps = dense_steps
     obj._gp_steps = 0
     if dense_steps == 0 and not hasattr(obj, "compression_active"):
@@ -174,7 +190,8 @@ class _Distributed:
     def _gp_init(self, named_parameters: Iterable[tuple[str, Any]] | None, compression: Any,
                  ef: str | EFSpec | None, momentum: str | None, mu: float,
                  min_compress_bytes: int | str | None,
-                 passes: int, nan_policy: str, uncompressed: Iterable[str]) -> None:
+                 passes: int, nan_policy: str, uncompressed: Iterable[str],
+                 on_backward: bool = True) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         if nan_policy not in NAN_POLICIES:
@@ -218,10 +235,10 @@ class _Distributed:
         self._gp_skipped = False
         self._gp_skip_sync = False
         self._gp_hooks = [p.register_post_accumulate_grad_hook(self._gp_hook)
-                          for p in self._gp_names if p.requires_grad]
+                          for p in self._gp_names if p.requires_grad and on_backward]
         log.info("DistributedOptimizer(%s): %d tensors, compression=%s, min_compress_bytes=%s, "
                  "backward_passes_per_step=%d, nan_policy=%s, uncompressed_params=%s",
-                 type(self).__name__, len(self._gp_hooks), self._gp_spec, min_compress_bytes,
+                 type(self).__name__, len(self._gp_names), self._gp_spec, min_compress_bytes,
                  passes, nan_policy, sorted(exact))
 
     # -- hooks ----------------------------------------------------------------------------------
