@@ -278,9 +278,10 @@ def _check_args(directory: Any, model: Any, optimizer: Any) -> Path:
         raise TypeError(f"checkpoint directory must be a non-empty path, got {directory!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) and not all(
+            hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or have its param_groups, "
+                        f"state_dict and load_state_dict), got {type(optimizer).__name__}")
     return Path(directory).resolve()
 
 

@@ -178,8 +178,14 @@ class DiLoCo:
         """Finish training's communication: the round in flight and the local steps since the
         last round take one last, synchronous, outer step; every worker then holds the same
         global parameters in ``model``. Call it on every worker at the same point."""
-        if self._in_flight or self._local_steps:
+        if self._local_steps:
             self._round(wait=True)
+        elif self._in_flight:  # overlap, ended on a round: only that round's outer step is due
+            self._finish()
+            with torch.no_grad():
+                for p, b, g in zip(self._local, self._base, self._global):
+                    p.copy_(g)
+                    b.copy_(g)
 
     def state_dict(self) -> dict[str, Any]:
         """The global parameters, each worker's base, the outer optimizer's state (momentum)
@@ -194,7 +200,8 @@ class DiLoCo:
                 "outer": self._outer.state_dict(),
                 "inner_steps": self.inner_steps, "outer_steps": self.outer_steps,
                 "local_steps": self._local_steps,
-                "in_flight": [g.grad.clone() for g in self._global] if self._in_flight else None}
+                "in_flight": [g.grad.clone() for g in self._global if g.grad is not None]
+                if self._in_flight else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (this worker's own; the same model)."""

@@ -22,8 +22,9 @@ from .options import option
 
 __all__ = ["TrainConfig", "OPTIMIZERS", "EF_CHOICES", "SCHEDULES", "MOMENTUM_OPTIMIZERS"]
 
-#: ``--optimizer`` choices; :mod:`gradpress.torch.builder` says what each one builds.
-OPTIMIZERS = METHODS
+#: ``--optimizer`` choices; :mod:`gradpress.torch.builder` says what each one builds, and
+#: ``diloco`` is AdamW inside ``gp.DiLoCo`` (:mod:`gradpress.train.local_steps`).
+OPTIMIZERS = (*METHODS, "diloco")
 #: Optimizers that communicate their momentum after ``dense_steps`` (>= 1) dense steps.
 MOMENTUM_OPTIMIZERS = MOMENTUM_METHODS
 #: The error-feedback kinds ``--ef`` takes (``vanilla`` also as ``vanilla:decay=B,...``).
@@ -117,6 +118,14 @@ class TrainConfig:
         (defaults.UNCOMPRESSED_PARAMS,), "parameters (names or fnmatch patterns, e.g. "
         "pos.weight) whose gradients or momenta always travel uncompressed; auto: those whose "
         "gradients agree little across workers, measured in the dense phase", metavar="NAME")
+    sync_every: int | None = option(None, "diloco: inner steps per outer step (default: "
+                                          f"{defaults.DILOCO_SYNC_EVERY})", metavar="H")
+    overlap: bool = option(False, "diloco: send each round while the next H inner steps run, "
+                                  "applying its outer update one round late")
+    outer_lr: float = option(1.0, "diloco: the outer SGD step's lr (1.0 with no momentum: "
+                                  "plain averaging)", metavar="LR")
+    outer_momentum: float = option(0.0, "diloco: the outer step's Nesterov momentum "
+                                        "(DiLoCo's paper: lr 0.7, momentum 0.9)", metavar="M")
     #: ``sgd-ef``'s momentum, applied before compression (None: the task's).
     momentum: float | None = None
     #: The Adam-family optimizers' moment decays (None: :data:`gradpress.defaults.BETAS`).
@@ -160,6 +169,7 @@ class TrainConfig:
         _positive_int(self, "warmup_steps", lo=0)
         _choice(self, "optimizer", OPTIMIZERS, "optimizer")
         self._check_dense_steps()
+        self._check_local_steps()
         if self.min_compress_bytes != "auto":
             _positive_int(self, "min_compress_bytes", optional=False, lo=0)
         _positive_int(self, "seed", optional=False, lo=0)
@@ -192,6 +202,26 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.dense_steps is not for sgd-ef (its momentum runs "
                              f"on the compressed gradients from the first step), got "
                              f"{self.dense_steps}")
+
+    def _check_local_steps(self) -> None:
+        """``sync_every`` >= 1, ``outer_lr`` > 0, ``outer_momentum`` in [0, 1), ``overlap``
+        a bool: all for ``diloco`` only (ValueError naming the field otherwise)."""
+        _positive_int(self, "sync_every")
+        _number(self, "outer_lr", 0.0, strict=True)
+        _number(self, "outer_momentum", 0.0, strict=False, hi=1.0)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"TrainConfig.overlap must be a bool, got {self.overlap!r}")
+        if self.optimizer == "diloco":
+            if self.dense_steps:
+                raise ValueError(f"TrainConfig.dense_steps is not for diloco, got "
+                                 f"{self.dense_steps}")
+            return
+        given = {"sync_every": self.sync_every is not None, "overlap": self.overlap,
+                 "outer_lr": self.outer_lr != 1.0, "outer_momentum": self.outer_momentum != 0}
+        for name, on in given.items():
+            if on:
+                raise ValueError(f"TrainConfig.{name} is for --optimizer diloco, got "
+                                 f"{getattr(self, name)!r} with optimizer {self.optimizer!r}")
 
     def _check_recovery(self) -> None:
         """``checkpoint_every`` and ``max_restarts``: ints >= 0; ``resume``: a non-empty path

@@ -15,7 +15,8 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
                     ) -> dict[str, Any]:
     """The effective hyperparameters: ``cfg``'s, else the task's defaults (script mode: fixed
     fallbacks; ``lr`` is required there)."""
-    family = {"onebit-adam": "adam", "onebit-lans": "lans", "sgd-ef": "sgd"}.get(
+    family = {"onebit-adam": "adam", "onebit-lans": "lans", "sgd-ef": "sgd",
+              "diloco": "adam"}.get(
         cfg.optimizer, cfg.optimizer)
     if cfg.lr is None and defaults is None:
         raise ValueError("TrainConfig.lr is required without a bundled task (give --lr)")
@@ -33,6 +34,8 @@ def resolve_hparams(cfg: TrainConfig, defaults: Any | None, total_steps: int | N
         hp["dense_steps"] = default_values.dense_steps_for(cfg.optimizer, cfg.compression) \
             if cfg.dense_steps is None else cfg.dense_steps
         hp["betas"] = cfg.betas or default_values.BETAS
+    if cfg.optimizer == "diloco":
+        hp["sync_every"] = cfg.sync_every or default_values.DILOCO_SYNC_EVERY
     return hp
 
 

@@ -167,6 +167,9 @@ class TrainCheckpoints:
             return
         guard = self.s.guard.state_dict() if self.s.guard is not None else None
         extra = {"epoch": epoch, "index": index, "steps": step, "guard": guard}
+        settle = getattr(self.opt, "settle", None)
+        if settle is not None:  # diloco: a round on the wire lands first (no push in flight)
+            settle()
         checkpoint.save(step_dir(self.s.cfg.out, step), self.model, self.opt, step, extra)
         if api.rank() == 0:
             self.prune()

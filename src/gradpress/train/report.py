@@ -136,6 +136,11 @@ def run_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         rep["codec"] = codec
         rep["compressed_ratio_vs_fp32"] = codec["compressed_vs_fp32"]
         rep["compressed_ratio_vs_fp16"] = codec["compressed_vs_fp16"]
+    loco = (summary or {}).get("diloco")
+    if loco:  # bytes per step against a per-step fp32 exchange of the whole model, both ways
+        sent = rep["bytes_total"]["push"] + rep["bytes_total"]["pull"]
+        rep["diloco"] = {**loco, "ratio_vs_per_step_fp32": _ratio(
+            2 * 4 * loco["params"] * len(steps), sent)}
     resized = [{k: v for k, v in r.items() if k not in ("kind", "run")} for r in records
                if r.get("kind") == "resize"]
     if resized:  # resumed by another number of workers (gradpress.elastic)
@@ -347,6 +352,11 @@ def format_run(rep: Mapping[str, Any]) -> str:
         lines.append(f"  compression ratio, compressed tensors ({c['compressed_tensors']} of "
                      f"{c['tensors']}, codec payloads): {_x(c['compressed_vs_fp32'])} vs fp32, "
                      f"{_x(c['compressed_vs_fp16'])} vs fp16")
+    if "diloco" in rep:
+        d = rep["diloco"]
+        lines.append(f"  diloco: {d['outer_steps']} outer steps, one every {d['sync_every']} "
+                     f"steps (overlap {'on' if d['overlap'] else 'off'}); bytes per step "
+                     f"{_x(d['ratio_vs_per_step_fp32'])} fewer than a per-step fp32 exchange")
     st = rep.get("stages_s", {})
     loop = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in st.items() if k not in _RUNTIME_STAGES)
     rt = ", ".join(f"{k[:-2]} {st[k]:.2f}" for k in _RUNTIME_STAGES if k in st)

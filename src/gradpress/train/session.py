@@ -158,10 +158,27 @@ class Session:
 
         self._named = [
             (f"{self.cfg.name}.{n}", p) for n, p in model.named_parameters() if p.requires_grad]
+        if self.cfg.optimizer == "diloco":
+            return self._local_steps(model)
         self._wrapper = build_optimizer(self._named, self._optimizer_config(), core=core,
                                         core_options=options)
         self.set_lr(self._wrapper)  # each group's peak lr; the first step's lr, before backward
         return self._wrapper
+
+    def _local_steps(self, model: nn.Module) -> Any:
+        """``--optimizer diloco``: AdamW inside ``gp.DiLoCo`` (:mod:`.local_steps`)."""
+        from .local_steps import build_local_steps
+
+        cfg, hp = self.cfg, self.hparams
+        opt = build_local_steps(
+            model, self._named, lr=hp["lr"], betas=hp["betas"],
+            weight_decay=hp["weight_decay"], sync_every=hp["sync_every"],
+            compression=cfg.compression, overlap=cfg.overlap, outer_lr=cfg.outer_lr,
+            outer_momentum=cfg.outer_momentum, prefix=cfg.name)
+        self._named = []  # nothing is pushed per step: the report counts rounds instead
+        self._wrapper = opt
+        self.set_lr(opt)
+        return opt
 
     def _optimizer_config(self) -> Any:
         """The :class:`~gradpress.torch.builder.OptimizerConfig` of this run over
@@ -264,6 +281,9 @@ class Session:
         with self.stage("update"), opt.skip_synchronize():  # type: ignore[attr-defined]
             opt.step()
         self.steps += 1
+        if self.steps == self.total_steps and hasattr(opt, "sync"):
+            with self.stage("sync"):
+                opt.sync()  # diloco: every worker ends on the global parameters
         self.set_lr(opt)
         return lr
 
@@ -369,6 +389,11 @@ class Session:
                                         api.config().partition_bytes,
                                         exact=self._exact_names(), fusion_bytes=cap)
             rec["params"] = sum(p.numel() for _, p in self._named)
+        if self.cfg.optimizer == "diloco" and self._wrapper is not None:
+            loco = self._wrapper.loco
+            rec["diloco"] = {"sync_every": loco.sync_every, "outer_steps": loco.outer_steps,
+                             "overlap": loco.overlap,
+                             "params": sum(g.numel() for g in loco.parameters())}
         self._record(rec)
         self.close_tensorboard()
 
