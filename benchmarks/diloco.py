@@ -158,7 +158,8 @@ def write(rows: Sequence[str], argv: Sequence[str]) -> Path:
         "final validation loss over the baseline's of the same seed. Bytes: both directions "
         "over a per-step fp32 exchange of the whole model.", "",
         f"Command: `python benchmarks/diloco.py {' '.join(argv)}`; table written at commit "
-        f"{commit} on {machine} (2 cores). Runs: `{OUT.relative_to(Path.cwd()) if OUT.is_relative_to(Path.cwd()) else OUT}/<task>/<run>_s<seed>/report.json`.",
+        f"{commit} on {machine} (2 cores). Runs: "
+        "`benchmarks/results/diloco/<task>/<run>_s<seed>/report.json`.",
         "", *rows, ""])
     path = OUT / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
