@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     todo = runs(args.groups)
     if not args.table:
         execute(todo)
-    rows = table(runs(sorted(GROUPS)))
+    rows = table(runs(list(GROUPS)))
     print("\n".join(rows))
     print(f"written {write(rows, sys.argv[1:] if argv is None else argv)}")
     return 0

@@ -210,3 +210,62 @@ def test_diloco_rejects_an_inner_optimizer_over_other_parameters() -> None:
         gp.DiLoCo(m, "adamw")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         gp.DiLoCo([torch.ones(2)], torch.optim.SGD(m.parameters(), lr=0.1))  # type: ignore
+
+
+def _train(out: Path, *extra: str) -> dict:
+    import json
+
+    cmd = [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn",
+           "--optimizer", "diloco", "--sync-every", "4", "--overlap", "--outer-lr", "0.7",
+           "--outer-momentum", "0.9", "--steps", "14", "--checkpoint-every", "6",
+           "--no-progress", "--no-tensorboard", "--out", str(out), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.cluster
+def test_train_diloco_resumes_mid_round_bit_identical(tmp_path: Path) -> None:
+    """``gradpress train --optimizer diloco``: a run resumed from a checkpoint taken with a
+    round on the wire (step 6 of rounds of 4) ends on the same parameters as the whole run."""
+    import shutil
+
+    whole = _train(tmp_path / "whole")
+    assert whole["replicas_identical"] is True
+    assert whole["diloco"]["sync_every"] == 4 and whole["diloco"]["overlap"] is True
+    # 4 int4 rounds (the last one the flush at step 14) in 14 steps: 14 / 4 x 7.7 = 27x
+    assert 25 < whole["diloco"]["ratio_vs_per_step_fp32"] < 28
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    resumed = _train(tmp_path / "resumed", "--resume",
+                     str(tmp_path / "resumed" / "checkpoints" / "step-6"))
+    assert resumed["params_sha256"] == whole["params_sha256"]
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"optimizer": "adam", "sync_every": 5}, ["sync_every", "diloco", "'adam'"]),
+    ({"optimizer": "lans", "overlap": True}, ["overlap", "diloco"]),
+    ({"optimizer": "diloco", "sync_every": 0}, ["sync_every", ">= 1", "0"]),
+    ({"optimizer": "diloco", "outer_lr": 0.0}, ["outer_lr", "> 0"]),
+    ({"optimizer": "diloco", "outer_momentum": 1.0}, ["outer_momentum", "< 1"]),
+    ({"optimizer": "diloco", "dense_steps": 3}, ["dense_steps", "diloco"]),
+])
+def test_train_config_checks_the_diloco_settings(kw: dict, words: list[str]) -> None:
+    from gradpress.train import TrainConfig
+
+    with pytest.raises(ValueError) as e:
+        TrainConfig(task="digits-cnn", **kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_train_config_diloco_defaults() -> None:
+    from gradpress import defaults
+    from gradpress.tasks import get_task
+    from gradpress.train import TrainConfig
+    from gradpress.train.hparams import resolve_hparams
+
+    cfg = TrainConfig(task="stdlib-mlm", optimizer="diloco")
+    assert cfg.compression == "int4" and cfg.overlap is False
+    hp = resolve_hparams(cfg, get_task("stdlib-mlm").defaults, 100)
+    assert hp["sync_every"] == defaults.DILOCO_SYNC_EVERY
+    assert hp["lr"] == get_task("stdlib-mlm").defaults.lr_for("adam")

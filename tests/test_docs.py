@@ -196,7 +196,8 @@ def test_src_holds_no_results_figures_or_study_references() -> None:
     assert not hits, "results figures or study references in src/:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("name", ["CLAN", "OneBitLANS", "DistributedOptimizer", "push_pull"])
+@pytest.mark.parametrize("name", ["CLAN", "OneBitLANS", "DistributedOptimizer", "push_pull",
+                                  "DiLoCo"])
 def test_factory_signatures_match_api_page(name: str) -> None:
     import inspect
 

@@ -29,8 +29,8 @@ Tuning:
     * ``outer_optimizer``: default plain averaging (SGD, lr 1.0, no momentum), which cannot
       overshoot; DiLoCo's published Nesterov outer step (lr 0.7, momentum 0.9) pays only over
       thousands of outer steps (``docs/guide.md#low-communication-training-diloco``).
-    * ``compression``: ``"int4"`` (default) keeps the outer step's accuracy at 8x fewer bytes;
-      ``"onebit"`` for 32x.
+    * ``compression``: ``"int4"`` (default), a quarter of fp16's bytes; ``"onebit"`` sends
+      one bit an element; ``"none"`` is exact.
 """
 
 from __future__ import annotations

@@ -253,8 +253,9 @@ class Session:
                           "config": self.cfg.to_dict(), "hparams": self.hparams,
                           "workers": self.size, "setup_s": self.setup_s})
 
-    def set_lr(self, opt: torch.optim.Optimizer) -> float:
-        """Apply the schedule for step ``self.steps``; returns the lr of the first group."""
+    def set_lr(self, opt: Any) -> float:
+        """Apply the schedule for step ``self.steps`` to ``opt.param_groups`` (a torch optimizer
+        or diloco's :class:`~.local_steps.LocalSteps`); returns the lr of the first group."""
         hp = self.hparams
         f = lr_factor(self.steps, hp["warmup_steps"], self.total_steps, hp["schedule"])
         for g in opt.param_groups:
