@@ -6,15 +6,23 @@ with each other and with a one-process simulation of the same replicas (exact av
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 import gradpress as gp
+from gradpress.train.restarts import last_step
+from helpers import pid_of
 
 WORKER = textwrap.dedent('''
     import functools, io, sys, torch, gradpress as gp
@@ -212,33 +220,68 @@ def test_diloco_rejects_an_inner_optimizer_over_other_parameters() -> None:
         gp.DiLoCo([torch.ones(2)], torch.optim.SGD(m.parameters(), lr=0.1))  # type: ignore
 
 
-def _train(out: Path, *extra: str) -> dict:
-    import json
+TRAIN = ("--task", "digits-cnn", "--optimizer", "diloco", "--sync-every", "6", "--overlap",
+         "--outer-lr", "0.7", "--outer-momentum", "0.9", "--steps", "40",
+         "--checkpoint-every", "20", "--no-progress", "--no-tensorboard")
 
-    cmd = [sys.executable, "-m", "gradpress.cli", "train", "--task", "digits-cnn",
-           "--optimizer", "diloco", "--sync-every", "4", "--overlap", "--outer-lr", "0.7",
-           "--outer-momentum", "0.9", "--steps", "14", "--checkpoint-every", "6",
-           "--no-progress", "--no-tensorboard", "--out", str(out), *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+def _cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gradpress.cli", "train", *TRAIN, "--out", str(out), *extra]
+
+
+def _train(out: Path, *extra: str) -> dict:
+    p = subprocess.run(_cmd(out, *extra), capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads((out / "report.json").read_text())
 
 
-@pytest.mark.cluster
-def test_train_diloco_resumes_mid_round_bit_identical(tmp_path: Path) -> None:
-    """``gradpress train --optimizer diloco``: a run resumed from a checkpoint taken with a
-    round on the wire (step 6 of rounds of 4) ends on the same parameters as the whole run."""
-    import shutil
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run: rounds every 6 steps, overlapped; checkpoints at steps 20 (2
+    local steps into a round, the round of step 18 on the wire) and 40."""
+    out = tmp_path_factory.mktemp("diloco") / "whole"
+    _train(out)
+    return out
 
-    whole = _train(tmp_path / "whole")
-    assert whole["replicas_identical"] is True
-    assert whole["diloco"]["sync_every"] == 4 and whole["diloco"]["overlap"] is True
-    # 4 int4 rounds (the last one the flush at step 14) in 14 steps: 14 / 4 x 7.7 = 27x
-    assert 25 < whole["diloco"]["ratio_vs_per_step_fp32"] < 28
-    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
-    resumed = _train(tmp_path / "resumed", "--resume",
-                     str(tmp_path / "resumed" / "checkpoints" / "step-6"))
-    assert resumed["params_sha256"] == whole["params_sha256"]
+
+@pytest.mark.cluster
+def test_train_diloco_resumes_mid_round_bit_identical(whole: Path, tmp_path: Path) -> None:
+    rep = json.loads((whole / "report.json").read_text())
+    assert rep["replicas_identical"] is True
+    assert rep["diloco"]["sync_every"] == 6 and rep["diloco"]["overlap"] is True
+    # 7 int4 rounds (the last the flush of steps 37-40) in 40 steps: 40 / 7 x 7.7 = 44x
+    assert 40 < rep["diloco"]["ratio_vs_per_step_fp32"] < 46
+    ckpt = shutil.copytree(whole / "checkpoints" / "step-20", tmp_path / "ckpt")
+    resumed = _train(tmp_path / "resumed", "--resume", str(ckpt))
+    assert resumed["params_sha256"] == rep["params_sha256"]
+
+
+@pytest.mark.cluster
+def test_train_diloco_worker_killed_restarts_bit_identical(whole: Path, tmp_path: Path) -> None:
+    """A worker SIGKILLed after the checkpoint of step 20: the job restarts from it and ends on
+    the parameters of the uninterrupted run (nothing lost, nothing counted twice)."""
+    out, marker = tmp_path / "run", uuid.uuid4().hex
+    p = subprocess.Popen(_cmd(out, "--max-restarts", "1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", GP_TEST_MARKER=marker))
+    try:
+        deadline = time.monotonic() + 180
+        while last_step(out / "metrics.jsonl") < 22:
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no step past the checkpoint within 180 s"
+            time.sleep(0.01)
+        pid = pid_of(marker, "worker", 1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "restart 1 of 1" in stdout and "step-20" in stdout
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["params_sha256"] == json.loads((whole / "report.json").read_text())[
+        "params_sha256"]
 
 
 @pytest.mark.parametrize("kw, words", [
