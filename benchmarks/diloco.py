@@ -85,7 +85,7 @@ GROUPS: dict[str, tuple[tuple[str, tuple[str, ...], tuple[int, ...]], ...]] = {
 def runs(groups: Sequence[str]) -> list[Run]:
     """Step 1."""
     return [Run(task, steps, sched, label, seed, args)
-            for task, steps, sched in TASKS for g in groups
+            for g in groups for task, steps, sched in reversed(TASKS)
             for label, args, seeds in GROUPS[g] for seed in seeds]
 
 
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     todo = runs(args.groups)
     if not args.table:
         execute(todo)
-    rows = table(runs(list(GROUPS)))
+    rows = table(sorted(runs(list(GROUPS)), key=lambda r: r.task))
     print("\n".join(rows))
     print(f"written {write(rows, sys.argv[1:] if argv is None else argv)}")
     return 0

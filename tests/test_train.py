@@ -308,7 +308,7 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rep = json.loads((out / "report.json").read_text())
-    assert [r["run"] for r in rep["runs"]] == ["uncompressed", "int4", "clan-onebit"]
+    assert [r["run"] for r in rep["runs"]] == ["uncompressed", "int4", "clan-onebit", "diloco"]
     for r in rep["runs"]:
         assert r["status"] == "completed" and r["steps"] == 2 and r["replicas_identical"]
         assert r["metric"]["name"] == "test_accuracy" and 0 <= r["metric"]["value"] <= 1
@@ -318,7 +318,8 @@ def test_demo_end_to_end_short(tmp_path: Path) -> None:
         assert r.get("tensorboard") == (str(out / r["run"] / "tensorboard") if events else None)
     if tensorboard_available():
         assert f"tensorboard --logdir {out}" in p.stdout
-    none, int4, onebit = rep["runs"]
+    none, int4, onebit, loco = rep["runs"]
+    assert loco["diloco"]["outer_steps"] == 1  # 2 steps: no round yet, the closing sync
     assert none["model_ratio_vs_fp32"] < 1.01
     assert onebit["compressed_ratio_vs_fp16"] > 10 and 3.5 < int4["compressed_ratio_vs_fp16"] < 4
     assert "int4" in rep["table"] and rep["table"] in p.stdout
