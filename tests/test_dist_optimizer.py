@@ -507,3 +507,22 @@ def test_nonfinite_gradients_are_zeroed_without_reading_them_on_the_host() -> No
     assert _any_set([torch.tensor(False), torch.tensor(True)]) is True
     assert _any_set([torch.tensor(False)] * 3) is False
 
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("dithering:s=300", ["dithering", "s='300'", "[1, 127]"]),
+    ("onebit:foo=1", ["onebit", "foo", "valid parameters: scaling"]),
+    ("nonsense", ["unknown codec 'nonsense'", "int4"]),
+    ({"compressor": "nonsense"}, ["nonsense"]),
+])
+def test_distributed_optimizer_rejects_a_bad_codec_when_built(spec, words: list[str]) -> None:
+    """Before any forward or backward (review of issue 54): the codec is built once on
+    construction, so its own message names the codec, the value and what was expected."""
+    m = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError) as e:
+        gp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                                compression=spec)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    with pytest.raises(ValueError, match="unknown codec 'nonsense'"):
+        gp.DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), compression="nonsense")

@@ -111,7 +111,6 @@ class DiLoCo:
         self.overlap = overlap
         named = [(f"{prefix}.{n}", p) for n, p in model.named_parameters() if p.requires_grad]
         _check_inner(inner_optimizer, {p for _, p in named})
-        broadcast_parameters(named)  # every worker starts from worker 0's parameters
         self._local = [p for _, p in named]
         self._base = [p.detach().clone() for p in self._local]
         self._global = [torch.nn.Parameter(p.detach().clone().float()) for p in self._local]
@@ -120,7 +119,12 @@ class DiLoCo:
             raise TypeError("outer_optimizer must return a torch.optim.Optimizer, got "
                             f"{type(outer).__name__}")
         self._outer = _wrap(outer, [(n, g) for (n, _), g in zip(named, self._global)],
-                            compression=compression, on_backward=False)
+                            compression=compression, on_backward=False)  # checks the codec
+        broadcast_parameters(named)  # every worker starts from worker 0's parameters
+        with torch.no_grad():
+            for p, b, g in zip(self._local, self._base, self._global):
+                b.copy_(p)
+                g.copy_(p)
         self.inner_steps = 0      # inner steps taken
         self.outer_steps = 0      # outer steps taken
         self._local_steps = 0     # inner steps since the last round

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from .. import defaults
+from ..compress.registry import build
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from ._names import _param_names, match_names
 from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
@@ -215,6 +216,7 @@ class _Distributed:
         if wrappers.get("momentum") not in (None, "none", ""):
             wrappers.setdefault("mu", mu)
         self._gp_spec = CodecSpec(cs.name, dict(cs.params), wrappers)
+        build(self._gp_spec, 1024)  # a bad spec is a ValueError here, not at the first step()
         self._gp_min_bytes = min_compress_bytes
         # a block-scaled codec compresses small tensors as well as large ones: they are fused
         # below min_compress_bytes (one key for many) and compressed all the same
