@@ -216,3 +216,29 @@ def test_task_pool_runs_calls_on_its_named_threads_and_outlives_a_failing_one() 
         pool.submit(task, 4)
     with pytest.raises(ValueError, match="threads"):
         TaskPool(0, "gp-test")
+
+
+def test_task_pool_hands_an_escaped_error_to_on_error_and_logs_it(caplog) -> None:
+    """An exception a task lets out fails the engine (``on_error``: ``WorkerEngine.fail``)
+    and is logged as an error, not at DEBUG (review of issue 54)."""
+    import logging
+    import threading
+
+    failed: list[BaseException] = []
+    seen = threading.Event()
+
+    def on_error(e: BaseException) -> None:
+        failed.append(e)
+        seen.set()
+
+    def bad() -> None:
+        raise RuntimeError("boom in a task")
+
+    pool = TaskPool(1, "gp-test-err", on_error=on_error)
+    with caplog.at_level(logging.ERROR, logger="gradpress"):
+        pool.submit(bad)
+        assert seen.wait(10), "on_error was not called"
+        pool.shutdown(wait=True, timeout=10)
+    assert len(failed) == 1 and str(failed[0]) == "boom in a task"
+    assert any(r.levelno == logging.ERROR and "gp-test-err" in r.getMessage()
+               and r.exc_info for r in caplog.records)

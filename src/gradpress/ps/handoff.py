@@ -71,17 +71,23 @@ class HandOff:
 
 class TaskPool:
     """``threads`` daemon threads named ``{name}_{i}`` running submitted calls in order of
-    submission; a call's result is dropped and an exception it lets out is logged (the
-    engine's tasks catch their own and fail the engine, see ``WorkerEngine._guard``).
+    submission; a call's result is dropped. The engine's tasks catch their own exceptions and
+    fail the engine (``WorkerEngine._guard``); one that escapes a task anyway goes to
+    ``on_error`` (the engine's ``fail``: every pending and later call raises it) and is logged
+    as an error, with its traceback.
 
     Args:
         threads: number of threads (at least 1).
         name: thread name prefix.
+        on_error: called with an exception a task let out (None: logged only).
     """
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        self._name = name
+        self._on_error = on_error
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
@@ -110,5 +116,8 @@ class TaskPool:
             fn, args = task
             try:
                 fn(*args)
-            except BaseException:  # the pool outlives a task's signal or exit
-                log.debug("gradpress pool task %r raised", fn, exc_info=True)
+            except BaseException as e:  # the pool outlives a task's signal or exit, loudly
+                log.error("gradpress %s task %r raised %s", self._name, fn,
+                          type(e).__name__, exc_info=True)
+                if self._on_error is not None:
+                    self._on_error(e)

@@ -89,8 +89,8 @@ class HierarchicalEngine:
         self.is_leader = cluster.rank == self.leader
         self._reduce_group, self._bcast_group = cluster.local_groups
         self._error: BaseException | None = None
-        self._reducer = TaskPool(1, "gp-local-reduce")
-        self._broadcaster = TaskPool(1, "gp-local-broadcast")
+        self._reducer = TaskPool(1, "gp-local-reduce", on_error=engine.fail)
+        self._broadcaster = TaskPool(1, "gp-local-broadcast", on_error=engine.fail)
 
     def submit(self, tensor: torch.Tensor, name: str, **kwargs: Any) -> Handle:
         """Start a hierarchical push_pull; ``kwargs`` as :meth:`WorkerEngine.submit`."""

@@ -116,14 +116,14 @@ class WorkerEngine:
         self._stats.update(dict.fromkeys(("compress_s", "send_s", "wait_s", "decompress_s"), 0.0))
         self._streams = CopyStreams(cfg.compress_on == "device")  # CUDA: the engine's streams
         self._pinned = PinnedKeeper()  # pinned result buffers until their copies completed
-        self._pool = TaskPool(cfg.compress_threads, "gp-compress")
+        self._pool = TaskPool(cfg.compress_threads, "gp-compress", on_error=self.fail)
         self._decode = HandOff()  # decode on the receiver, or on the pool
         self.checkpoint = WorkerCheckpoint(self)
         self.planner = Planner(cluster, cfg, on_new=self.checkpoint.restore_pending)
         self._queue_lock = threading.Lock()
         self._queued = 0  # chunks queued for the dispatcher
-        self._dispatcher = TaskPool(1, "gp-dispatch")  # step 1 when the budget is full
-        self._receiver = TaskPool(1, "gp-receive")  # step 4, replies in push order
+        self._dispatcher = TaskPool(1, "gp-dispatch", on_error=self.fail)  # step 1, budget full
+        self._receiver = TaskPool(1, "gp-receive", on_error=self.fail)  # step 4, push order
 
     # -- public ---------------------------------------------------------------------------------
     def submit(self, tensor: torch.Tensor, name: str, *, average: bool = True,
