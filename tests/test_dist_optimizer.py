@@ -234,6 +234,20 @@ WORKER = textwrap.dedent('''
     res["watch_generation"] = torch.tensor(opt.generation(0))
     res["watch"] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     res["watch_plan"] = torch.tensor("drifted and recovered" in opt.plan().format())
+    # 11b. resumed into a fresh optimizer (no watch: no new drift), the drifts before the
+    # checkpoint are not counted again (review of issue 54)
+    saved = opt.state_dict()
+    opt = gp.OneBitLANS([(f"watch.{n}", p) for n, p in m.named_parameters()], lr=1e-2,
+                        dense_steps=2, min_compress_bytes=0, uncompressed_params=())
+    opt.load_state_dict(saved)
+    opt.watch = None
+    before = gp.stats()["drift_recoveries"]
+    x, y = data(9, r)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    opt.step()
+    res["watch_resumed_recoveries"] = torch.tensor(gp.stats()["drift_recoveries"] - before)
+    res["watch_resumed_generation"] = torch.tensor(opt.generation(0))
     # 12. the default (int4, error feedback on both sides) with AdamW, nothing else passed
     adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)  # noqa: E731
     m, opt = train("dflt", 4, adamw)
@@ -358,6 +372,7 @@ def test_distributed_optimizer_end_to_end(tmp_path: Path) -> None:
     # probes at steps 4 and 8 (every 2 after 2 dense steps; 5-6 recover exact): 2 drifts per
     # tensor, counted once each; the replicas stayed identical (checked above)
     assert int(w0["watch_generation"]) == 2 and int(w0["watch_recoveries"]) >= 2
+    assert int(w0["watch_resumed_generation"]) == 2 and int(w0["watch_resumed_recoveries"]) == 0
     assert torch.isfinite(w0["watch"]).all() and bool(w0["watch_plan"])
     # the default: int4 on every tensor (the small ones in a compressed fused key)
     assert bool(w0["default_codecs"]) and torch.isfinite(w0["default"]).all()

@@ -170,3 +170,14 @@ class Watched:
         """How many drifts flat parameter ``index`` recovered from: its compressed keys'
         residuals start afresh with each (the caller names each generation's keys apart)."""
         return int(self.state.get(self._param(index), {}).get("generation", 0))
+
+    def new_drifts(self, index: int) -> int:
+        """The drifts of flat parameter ``index`` not counted yet (in ``gp.stats()``), now
+        counted. The count lives in the parameter's state (``"drifts_counted"``) beside its
+        generation, so a resumed run does not count the drifts before its checkpoint again."""
+        st = self.state.get(self._param(index))
+        if st is None:
+            return 0
+        gen, counted = int(st.get("generation", 0)), int(st.get("drifts_counted", 0))
+        st["drifts_counted"] = gen
+        return max(0, gen - counted)

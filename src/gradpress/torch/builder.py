@@ -238,7 +238,6 @@ class _MomentumRoute:
         self.needs_lr = ef_needs_lr(spec.wrappers.get("ef"))
         self.opt: Any = None  # the core at attach, then the DistributedOptimizer wrapping it
         self.fusion: Any = None
-        self.drifts: dict[int, int] = {}  # flat index -> drifts counted in gp.stats()
 
     def attach(self, opt: torch.optim.Optimizer) -> None:
         """Tell ``opt``'s plan how the momenta travel (:mod:`gradpress.torch.plan`)."""
@@ -309,7 +308,7 @@ class _MomentumRoute:
         if not hasattr(self.opt, "generation"):
             return name, False
         gen, recovering = self.opt.generation(i), self.opt.recovering(i)
-        if gen > self.drifts.get(i, 0):  # the watch saw a drift at the last step: count it
-            _rt().worker.account(drift_recoveries=gen - self.drifts.get(i, 0))
-            self.drifts[i] = gen
+        new = self.opt.new_drifts(i)  # the watch saw a drift at the last step: count it once
+        if new:
+            _rt().worker.account(drift_recoveries=new)
         return name + (f".x{gen}" if recovering else f".g{gen}" if gen else ""), recovering
