@@ -117,17 +117,20 @@ def _loss(rep: dict[str, Any]) -> float:
     return float(rep["metric"]["value"])
 
 
-def table(all_runs: Sequence[Run]) -> list[str]:
+COLUMNS = ["task", "run", "val_loss per seed", "gap vs sync per seed",
+           "bytes/step vs per-step fp32", "target (+3%, 300x)"]
+
+
+def table(all_runs: Sequence[Run]) -> list[list[str]]:
     """Step 3: one row per task and configuration."""
-    rows = ["| task | run | val_loss per seed | gap vs sync per seed | bytes/step vs per-step "
-            "fp32 | target (+3%, 300x) |", "|---|---|---|---|---|---|"]
+    rows: list[list[str]] = []
     keys = dict.fromkeys((r.task, r.label) for r in all_runs)
     for task, label in keys:
         mine = [r for r in all_runs if (r.task, r.label) == (task, label)]
         reps = [(r, report(r)) for r in mine]
         done = [(r, rep) for r, rep in reps if rep is not None]
         if not done:
-            rows.append(f"| {task} | {label} | not run | | | |")
+            rows.append([task, label, "not run", "", "", ""])
             continue
         base = {r.seed: report(Run(task, r.steps, r.schedule, "sync", r.seed, SYNC))
                 for r, _ in done}
@@ -139,28 +142,61 @@ def table(all_runs: Sequence[Run]) -> list[str]:
         if label == "h50-int4":
             ok = len(gaps) == 3 and max(gaps) <= GAP_PCT and min(ratios) >= MIN_RATIO
             target = "met" if ok else "NOT met"
-        rows.append(f"| {task} | {label} | {', '.join(f'{_loss(rep):.4f}' for _, rep in done)}"
-                    f" | {', '.join(f'{g:+.2f}%' for g in gaps) if label != 'sync' else ''}"
-                    f" | {ratio} | {target} |")
+        rows.append([task, label, ", ".join(f"s{r.seed} {_loss(rep):.4f}" for r, rep in done),
+                     ", ".join(f"{g:+.2f}%" for g in gaps) if label != "sync" else "",
+                     ratio, target])
     return rows
 
 
-def write(rows: Sequence[str], argv: Sequence[str]) -> Path:
+def markdown(rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def update_results(rows: Sequence[Sequence[str]], argv: Sequence[str], commit: str,
+                   machine: str) -> None:
+    """The table of docs/results.md (``benchmarks/results/accuracy.json``, id ``diloco``);
+    ``python benchmarks/results_md.py`` renders the page."""
+    path = OUT.parent / "accuracy.json"
+    doc = json.loads(path.read_text())
+    entry = {
+        "id": "diloco", "title": "Low-communication training: DiLoCo against synchronous AdamW "
+        "(issue 52)",
+        "source": {"path": "benchmarks/diloco.py",
+                   "section": "runs in benchmarks/results/diloco/"},
+        "date": subprocess.run(["date", "+%Y-%m-%d"], capture_output=True,
+                               text=True).stdout.strip(),
+        "commit": f"{commit} (the commit that wrote the table)",
+        "machine": f"2 workers and 1 server, processes on one 2-core machine ({machine})",
+        "setting": SETTING, "commands": [f"python benchmarks/diloco.py {' '.join(argv)}"],
+        "columns": COLUMNS, "rows": [list(r) for r in rows],
+        "notes": "A row of one seed is a sweep point, not a target. Not run: 4 workers, "
+                 "overlap and compression apart on 3 seeds, and the sweep rows marked so."}
+    doc["tables"] = [t for t in doc["tables"] if t.get("id") != "diloco"] + [entry]
+    path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+
+
+SETTING = ("`gradpress train --optimizer diloco` (AdamW inside `gp.DiLoCo`, plain averaging as "
+           "the outer step unless `-nesterov`: SGD lr 0.7, Nesterov momentum 0.9) against "
+           "synchronous AdamW with exact averages (`--optimizer adam --compression none`), "
+           "2 workers and 1 server, the same samples, the task's AdamW lr and schedule "
+           "(stdlib-mlm 1600 steps, cosine; stdlib-words 1000 steps, constant). Gap: final "
+           "validation loss over the baseline's of the same seed. Bytes: both directions over "
+           "a per-step fp32 exchange of the whole model (what DDP in fp32 sends).")
+
+
+def write(rows: Sequence[Sequence[str]], argv: Sequence[str]) -> Path:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     machine = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"],
                              capture_output=True, text=True).stdout.strip()
+    update_results(rows, argv, commit, machine)
     text = "\n".join([
-        "# DiLoCo at equal samples (issue 52)", "",
-        "`gradpress train --optimizer diloco` (AdamW inside `gp.DiLoCo`, plain averaging as "
-        "the outer step unless `-nesterov`) against synchronous AdamW with exact averages, "
-        "2 workers and 1 server, the same samples, the task's AdamW lr and schedule. Gap: "
-        "final validation loss over the baseline's of the same seed. Bytes: both directions "
-        "over a per-step fp32 exchange of the whole model.", "",
+        "# DiLoCo at equal samples (issue 52)", "", SETTING, "",
         f"Command: `python benchmarks/diloco.py {' '.join(argv)}`; table written at commit "
         f"{commit} on {machine} (2 cores). Runs: "
         "`benchmarks/results/diloco/<task>/<run>_s<seed>/report.json`.",
-        "", *rows, ""])
+        "", *markdown(rows), ""])
     path = OUT / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -176,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.table:
         execute(todo)
     rows = table(sorted(runs(list(GROUPS)), key=lambda r: r.task))
-    print("\n".join(rows))
+    print("\n".join(markdown(rows)))
     print(f"written {write(rows, sys.argv[1:] if argv is None else argv)}")
     return 0
 
