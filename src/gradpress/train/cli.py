@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,13 +238,17 @@ def demo_configs(args: argparse.Namespace, out: Path,
             for name, opt, spec, lr in DEMO_RUNS]
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(args: argparse.Namespace,
+             configs: Callable[[Path, bool], list[TrainConfig]] | None = None) -> int:
     """``gradpress demo``: four digits-cnn runs in one cluster (behind a link of
-    ``--bandwidth`` when given), a side-by-side table with time to accuracy, plots."""
+    ``--bandwidth`` when given), a side-by-side table with time to accuracy (to the first
+    run's final result), plots. ``configs(out, tensorboard)`` replaces the runs (a benchmark's
+    comparison; default :func:`demo_configs`)."""
     rate = None if args.bandwidth is None else check_bandwidth(args.bandwidth)
     tensorboard = resolve_tensorboard(args.tensorboard)  # --tensorboard without it: an error
     out = prepare_out_dir(args.out)
-    runs = demo_configs(args, out, tensorboard)
+    runs = (configs(out, tensorboard) if configs is not None
+            else demo_configs(args, out, tensorboard))
     for cfg in runs:
         prepare_out_dir(cfg.out)
     t0 = time.perf_counter()
@@ -269,7 +273,7 @@ def _demo_summary(runs: Sequence[TrainConfig], reports: Sequence[dict[str, Any]]
     sentences), the link's share of a step with ``--bandwidth``, the plots."""
     recs = {cfg.name: read_metrics(Path(cfg.out) / "metrics.jsonl") for cfg in runs}
     recs = {k: v for k, v in recs.items() if v}
-    baseline = DEMO_RUNS[0][0]
+    baseline = runs[0].name
     tta = time_to_accuracy(recs, baseline) if baseline in recs else None
     plots = plot_runs(out, recs) if reports else []
     if reports and (p := plot_eval_vs_time(out, recs, tta)) is not None:
