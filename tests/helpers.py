@@ -138,6 +138,20 @@ def launch_script(args: list[str], script: Path, out: Path, modes: str,
                             text=True)
 
 
+def worker_results(tmp_path: Path, script_text: str, *args: str, workers: int = 2,
+                   timeout: float = 240) -> list[dict]:
+    """``gradpress launch`` of ``script_text`` on ``workers`` workers and 1 server, with
+    ``tmp_path`` and ``args`` as its arguments; each worker ``r`` saves its results to
+    ``tmp_path/worker{r}.pt``, returned in rank order (the launch must succeed)."""
+    script = tmp_path / "worker.py"
+    script.write_text(script_text)
+    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", str(workers),
+           "--servers", "1", "--", sys.executable, str(script), str(tmp_path), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    return [torch.load(tmp_path / f"worker{w}.pt") for w in range(workers)]
+
+
 def finish(procs: list[subprocess.Popen]) -> None:
     """Wait for every launcher (150 s each); each must exit 0 (its log in the message)."""
     logs = []

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gradpress.torch.agreement import AGREEMENT_THRESHOLD, AgreementMeter
+from helpers import worker_results
 
 
 def _measure(grads_per_step: list[list[torch.Tensor]]) -> float:
@@ -114,13 +115,7 @@ WORKER = textwrap.dedent('''
 
 @pytest.mark.cluster
 def test_noisy_tensor_travels_exact_on_every_worker(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
-           "--", sys.executable, str(script), str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    w0, w1 = (torch.load(tmp_path / f"worker{w}.pt") for w in range(2))
+    w0, w1 = worker_results(tmp_path, WORKER)
     for kind in ("onebitlans", "clan"):
         assert w0[kind]["exact"] == [f"{kind}.noise"], w0[kind]
         assert w0[kind]["values"] == w1[kind]["values"]  # decided identically

@@ -22,7 +22,7 @@ import torch
 
 import gradpress as gp
 from gradpress.train.restarts import last_step
-from helpers import pid_of
+from helpers import pid_of, worker_results
 
 WORKER = textwrap.dedent('''
     import functools, io, sys, torch, gradpress as gp
@@ -171,13 +171,7 @@ WORKER = textwrap.dedent('''
 
 @pytest.mark.cluster
 def test_diloco_end_to_end(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers", "1",
-           "--", sys.executable, str(script), str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
-    w0, w1 = (torch.load(tmp_path / f"worker{w}.pt") for w in range(2))
+    w0, w1 = worker_results(tmp_path, WORKER)
     for key in w0:  # after sync() every worker holds the same parameters
         assert torch.equal(w0[key], w1[key]), f"replicas differ: {key}"
     for tag in ("plain", "nesterov", "plain_overlap", "nest_overlap", "nest_overlap_even"):
