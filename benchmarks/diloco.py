@@ -74,11 +74,11 @@ def diloco_args(h: int, codec: str, *extra: str) -> tuple[str, ...]:
 SYNC = ("--optimizer", "adam", "--compression", "none")
 GROUPS: dict[str, tuple[tuple[str, tuple[str, ...], tuple[int, ...]], ...]] = {
     "target": (("sync", SYNC, (0, 1, 2)), ("h50-int4", diloco_args(50, "int4"), (0, 1, 2))),
-    "sweep": (("h10-int4", diloco_args(10, "int4"), (0,)),
-              ("h100-int4", diloco_args(100, "int4"), (0,)),
-              ("h50-none", diloco_args(50, "none"), (0,)),
+    "sweep": (("h50-int4-nesterov", diloco_args(50, "int4", *NESTEROV), (0,)),
               ("h50-int4-overlap", diloco_args(50, "int4", "--overlap"), (0,)),
-              ("h50-int4-nesterov", diloco_args(50, "int4", *NESTEROV), (0,))),
+              ("h10-int4", diloco_args(10, "int4"), (0,)),
+              ("h100-int4", diloco_args(100, "int4"), (0,)),
+              ("h50-none", diloco_args(50, "none"), (0,))),
 }
 
 
