@@ -85,8 +85,8 @@ GROUPS: dict[str, tuple[tuple[str, tuple[str, ...], tuple[int, ...]], ...]] = {
 def runs(groups: Sequence[str]) -> list[Run]:
     """Step 1."""
     return [Run(task, steps, sched, label, seed, args)
-            for g in groups for task, steps, sched in reversed(TASKS)
-            for label, args, seeds in GROUPS[g] for seed in seeds]
+            for g in groups for label, args, seeds in GROUPS[g]
+            for task, steps, sched in reversed(TASKS) for seed in seeds]
 
 
 def report(run: Run) -> dict[str, Any] | None:
