@@ -45,6 +45,9 @@ OUT = Path(__file__).parent / "results" / "diloco"
 TASKS = (("stdlib-mlm", 1600, "cosine"), ("stdlib-words", 1000, "constant"))
 GAP_PCT = 3.0        # the target: within +3% of the baseline on every seed ...
 MIN_RATIO = 300.0    # ... with at least 300x fewer bytes per step than DDP fp32
+#: Every run here used the CLI options of commit 6a90e1f (`--sync-every`, `--outer-lr`,
+#: `--outer-momentum`, `--overlap`); they are TrainConfig fields now, not options, so a rerun
+#: fails until this script passes a config (the records stay).
 NESTEROV = ("--outer-lr", "0.7", "--outer-momentum", "0.9")
 
 

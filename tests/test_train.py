@@ -134,7 +134,8 @@ def test_train_parser_is_generated_from_the_config_fields() -> None:
     from gradpress.train.options import flag_of, option_fields
 
     # every field is an option but those only Python sets (documented where they are declared)
-    python_only = {"name", "momentum", "betas", "min_compress_bytes"}
+    python_only = {"name", "momentum", "betas", "min_compress_bytes",
+                   "sync_every", "overlap", "outer_lr", "outer_momentum"}  # diloco's
     fields = [f for f in dataclasses.fields(TrainConfig) if f.name not in python_only]
     assert option_fields(TrainConfig) == fields
     opts = set(_help_options())

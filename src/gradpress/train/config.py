@@ -118,14 +118,15 @@ class TrainConfig:
         (defaults.UNCOMPRESSED_PARAMS,), "parameters (names or fnmatch patterns, e.g. "
         "pos.weight) whose gradients or momenta always travel uncompressed; auto: those whose "
         "gradients agree little across workers, measured in the dense phase", metavar="NAME")
-    sync_every: int | None = option(None, "diloco: inner steps per outer step (default: "
-                                          f"{defaults.DILOCO_SYNC_EVERY})", metavar="H")
-    overlap: bool = option(False, "diloco: send each round while the next H inner steps run, "
-                                  "applying its outer update one round late")
-    outer_lr: float = option(1.0, "diloco: the outer SGD step's lr (1.0 with no momentum: "
-                                  "plain averaging)", metavar="LR")
-    outer_momentum: float = option(0.0, "diloco: the outer step's Nesterov momentum "
-                                        "(DiLoCo's paper: lr 0.7, momentum 0.9)", metavar="M")
+    #: diloco: inner steps per outer step (None: ``gradpress.defaults.DILOCO_SYNC_EVERY``).
+    sync_every: int | None = None
+    #: diloco: send each round while the next H inner steps run, applying its outer update
+    #: one round late (``gp.DiLoCo(overlap=True)``).
+    overlap: bool = False
+    #: diloco: the outer SGD step's lr (1.0 with no momentum: plain averaging).
+    outer_lr: float = 1.0
+    #: diloco: the outer step's Nesterov momentum (DiLoCo's paper: lr 0.7, momentum 0.9).
+    outer_momentum: float = 0.0
     #: ``sgd-ef``'s momentum, applied before compression (None: the task's).
     momentum: float | None = None
     #: The Adam-family optimizers' moment decays (None: :data:`gradpress.defaults.BETAS`).
