@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convergence import completed
+
 OUT = Path(__file__).parent / "results" / "diloco"
 #: (task, steps, lr schedule): the lengths of issue 52's targets; stdlib-words at a constant lr
 #: as in issue 38's targets, stdlib-mlm with gradpress train's cosine schedule.
@@ -93,11 +95,8 @@ def runs(groups: Sequence[str]) -> list[Run]:
 
 
 def report(run: Run) -> dict[str, Any] | None:
-    path = run.out / "report.json"
-    if not path.is_file():
-        return None
-    rep = json.loads(path.read_text())
-    return rep if rep.get("status") == "completed" else None
+    """The run's report if it completed (:func:`convergence.completed`), else None."""
+    return completed(run)  # type: ignore[arg-type]  # any run with an ``out`` directory
 
 
 def execute(todo: Sequence[Run]) -> None:

@@ -196,9 +196,7 @@ class DiLoCo:
         with this worker's residuals, the step counters and, with ``overlap``, the averaged
         pseudo-gradient of the round in flight (waited for here). Save the model's and the
         inner optimizer's state beside it; the servers' residuals: ``gp.save_server_state``."""
-        if self._in_flight and not self._averaged:
-            self._outer.synchronize()  # the average lands in g.grad; stepped at the next round
-            self._averaged = True
+        self.settle()
         return {"global": [g.detach().clone() for g in self._global],
                 "base": [b.clone() for b in self._base],
                 "outer": self._outer.state_dict(),
@@ -206,6 +204,14 @@ class DiLoCo:
                 "local_steps": self._local_steps,
                 "in_flight": [g.grad.clone() for g in self._global if g.grad is not None]
                 if self._in_flight else None}
+
+    def settle(self) -> None:
+        """Wait for the round on the wire (``overlap``), if any, without stepping: its average
+        lands in the global parameters' ``.grad`` and is stepped at the next round. After it no
+        push is in flight (what a checkpoint needs)."""
+        if self._in_flight and not self._averaged:
+            self._outer.synchronize()
+            self._averaged = True
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (this worker's own; the same model)."""

@@ -66,7 +66,7 @@ class LocalSteps:
         return self.loco.plan()
 
     def settle(self) -> None:  # step 3
-        self.loco.state_dict()
+        self.loco.settle()
 
     def sync(self) -> None:  # step 4
         self.loco.sync()
