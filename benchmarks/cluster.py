@@ -12,9 +12,10 @@ Run as root (network namespaces): ``sudo .venv/bin/python benchmarks/cluster.py 
    communication (the compute floor: a step of a system minus it is what communication costs
    that system, printed beside the speed-up). One worker per host; the gradpress systems add
    one server per host (``gradpress launch --nnodes N --node-rank R ...`` in each host
-   namespace), except ``gp-onebit-coloc`` (asked for by name in ``--systems``): the same
-   onebit job with each host's server as threads inside its worker (``launch --colocate``),
-   the layout ``gradpress launch`` recommends on a node without spare cores. The DDP systems
+   namespace), except ``gp-onebit-coloc`` and ``gp-int4-coloc`` (asked for by name in
+   ``--systems``): the same onebit or int4 job with each host's server as threads inside its
+   worker (``launch --colocate``), the layout ``gradpress launch`` recommends on a node without
+   spare cores. The DDP systems
    are torchrun-style processes (``MASTER_ADDR`` = host 0's address).
 2. **loopback**: gradpress ``none``, ``onebit`` and ``topk`` on the plain loopback of this
    machine (no namespace, no limit): does the pipeline hide the compression cost?
@@ -59,15 +60,17 @@ from cluster_models import MODELS  # noqa: E402
 from cluster_worker import GP_COLOCATED, GP_SYSTEMS  # noqa: E402
 
 SYSTEMS = ("local", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-none",
-           "gp-onebit", "gp-topk", "gp-ddp-hook", "gp-int4", "gp-int4-hook", "gp-onebit-coloc")
-#: What runs by default (``gp-onebit-coloc`` is asked for by name).
-DEFAULT_SYSTEMS = SYSTEMS[:-1]
+           "gp-onebit", "gp-topk", "gp-ddp-hook", "gp-int4", "gp-int4-hook", "gp-onebit-coloc",
+           "gp-int4-coloc")
+#: What runs by default (the ``-coloc`` systems are asked for by name).
+DEFAULT_SYSTEMS = SYSTEMS[:-2]
 LABELS = {"local": "no communication (compute floor)", "ddp-fp32": "DDP fp32 (gloo)",
           "ddp-fp16": "DDP + fp16 hook",
           "ddp-powersgd": "DDP + PowerSGD hook (rank 4)",
           "ddp-powersgd1": "DDP + PowerSGD hook (rank 1)", "gp-none": "gradpress none",
           "gp-onebit": "gradpress onebit", "gp-topk": "gradpress topk 0.1% fp16",
           "gp-onebit-coloc": "gradpress onebit, servers in the workers (--colocate)",
+          "gp-int4-coloc": "gradpress int4, servers in the workers (--colocate)",
           "gp-ddp-hook": "DDP + gradpress two-way onebit hook",
           "gp-int4": "gradpress int4 (the default)", "gp-int4-hook": "DDP + gradpress int4 hook"}
 BATCH = {"vgg": 8, "bert": 4, "tfm": 4, "mlp": 8}
@@ -103,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "quick vgg)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"systems of the speed part, a subset of {','.join(SYSTEMS)} "
-                        f"(default: all but gp-onebit-coloc)")
+                        f"(default: all but the -coloc ones)")
     p.add_argument("--scaling-systems", default="gp-none,gp-onebit",
                    help="gradpress systems of the scaling part (gp-none,gp-onebit)")
     p.add_argument("--rate", default="1gbit", help="per-host link rate (tc syntax; 1gbit)")

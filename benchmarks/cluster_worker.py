@@ -34,12 +34,14 @@ from cluster_models import build_model, loss_of, make_batch
 
 DDP_SYSTEMS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd", "ddp-powersgd1", "gp-ddp-hook",
                "gp-int4-hook")
-GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk", "gp-onebit-coloc", "gp-int4")
+GP_SYSTEMS = ("gp-none", "gp-onebit", "gp-topk", "gp-onebit-coloc", "gp-int4",
+              "gp-int4-coloc")
 #: gradpress systems whose servers run as threads inside the workers (``launch --colocate``).
-GP_COLOCATED = ("gp-onebit-coloc",)
+GP_COLOCATED = ("gp-onebit-coloc", "gp-int4-coloc")
 GP_SPECS = {"gp-none": ("none", None), "gp-onebit": ("onebit", "vanilla"),
             "gp-topk": ("topk:k=0.001,values=fp16", "vanilla"),
-            "gp-onebit-coloc": ("onebit", "vanilla"), "gp-int4": ("int4", "vanilla")}
+            "gp-onebit-coloc": ("onebit", "vanilla"), "gp-int4": ("int4", "vanilla"),
+            "gp-int4-coloc": ("int4", "vanilla")}
 
 
 def cpu_counters() -> dict[str, float]:

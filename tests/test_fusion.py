@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -121,6 +122,64 @@ def _fuser() -> tuple[Fuser, FakePush, FusedKey]:
     return Fuser([key], push, timeout=5.0), push, key
 
 
+def test_aligned_members_start_on_blocks_and_pad_with_zeros() -> None:
+    key = fused_keys([("a", 3), ("b", 8), ("c", 1)], 1000, align=8)[0]
+    assert key.offsets == (0, 8, 16) and key.numel == 17
+    assert key.name != fused_keys([("a", 3), ("b", 8), ("c", 1)], 1000)[0].name
+    assert fused_keys([("a", 3), ("b", 1)], 1000, exact=True)[0].exact
+    push = FakePush()
+    fuser = Fuser([key], push, timeout=5.0)
+    fuser.add("a", torch.ones(3))
+    fuser.add("c", torch.full((1,), 3.0))
+    hb = fuser.add("b", torch.full((8,), 2.0))
+    assert push.pushed[0][1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0] + [2] * 8 + [3]
+    assert hb.wait().tolist() == [4.0] * 8
+    with pytest.raises(ValueError, match="align must be an int >= 1, got 0"):
+        fused_keys([("a", 1)], 10, align=0)
+
+
+def test_bucket_rule_per_codec() -> None:
+    from gradpress.compress.spec import parse_spec
+    from gradpress.torch.fusion import bucket_keys
+
+    entries = [("w1", 100_000, "cpu"), ("b1", 10, "cpu"), ("w2", 100_000, "cpu"),
+               ("b2", 10, "cpu")]
+
+    def rule(spec: str | dict, exact: frozenset[str] = frozenset()) -> list[tuple]:
+        keys = bucket_keys(entries, limit=4096, spec=parse_spec(spec), cap=1 << 20, exact=exact)
+        return [(k.members, k.align, k.exact) for k in keys]
+
+    # block-scaled: everything, backward order, aligned to the codec's block; exact names apart
+    assert rule("int4") == [(("b2", "w2", "b1", "w1"), 128, False)]
+    assert rule("int4:block=64", frozenset({"b1", "b2"})) == [
+        (("w2", "w1"), 64, False), (("b2", "b1"), 1, True)]
+    assert rule("none") == [(("b2", "w2", "b1", "w1"), 1, True)]
+    # a tensor of the cap or more stands alone; its neighbours still share one bucket
+    big = [("a", 10, "cpu"), ("w", 1 << 18, "cpu"), ("b", 10, "cpu")]
+    assert [k.members for k in bucket_keys(big, limit=4096, spec=parse_spec("int4"),
+                                           cap=1 << 20)] == [("b", "a")]
+    # one scale per chunk (onebit), or an error feedback that needs each tensor's lr: the
+    # small tensors only
+    assert rule("onebit") == [(("b2", "b1"), 1, False)]
+    assert rule({"compressor": "int4", "ef": "corrected"}) == [(("b2", "b1"), 128, False)]
+    assert rule({"compressor": "onebit", "momentum": "nesterov"}) == []
+
+
+def test_a_resume_with_another_bucket_layout_is_refused() -> None:
+    from gradpress.ps.errors import CheckpointError
+    from gradpress.torch.fusion import DENSE_SUFFIX, check_layout
+
+    key = fused_keys([("a", 2), ("b", 3)], 1000, align=8)[0]
+    fuser = Fuser([key], FakePush(), timeout=5.0)
+    own = ["a", "b", "c"]
+    check_layout(fuser, own, {key.name, key.name + DENSE_SUFFIX, "c", "other.x",
+                              FUSED_PREFIX + "other.x+1.abc"})  # ours, or not this optimizer's
+    for stray in ("a", "b" + DENSE_SUFFIX, fused_keys([("a", 2), ("b", 3)], 1000)[0].name):
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"state of '{stray}' belongs to another bucket layout than this run's")):
+            check_layout(fuser, own, {stray})
+
+
 def test_fuser_pushes_when_the_last_member_arrives() -> None:
     fuser, push, key = _fuser()
     assert fuser.fuses("b") and not fuser.fuses("d")
@@ -223,9 +282,13 @@ WORKER = textwrap.dedent('''
                 torch.optim.Adam(m.parameters(), lr=1e-2), named, compression="onebit",
                 ef="vanilla", min_compress_bytes=2048, dense_steps=1, nan_policy="skip",
                 uncompressed_params=())
-        else:
+        elif kind == "lans":
             opt = gp.OneBitLANS(named, lr=1e-2, compression="onebit", dense_steps=1,
                                 min_compress_bytes=2048, uncompressed_params=())
+        else:  # every tensor in buckets: int4 (aligned to its blocks, one exact) and none
+            opt = gp.DistributedOptimizer(
+                torch.optim.AdamW(m.parameters(), lr=1e-2), named, compression=kind,
+                uncompressed_params=[f"{kind}.1.weight"] if kind == "int4" else ())
         chunks, pushed, skipped = [], [], []
         for step in range(4):
             g = torch.Generator().manual_seed(100 * step + gp.rank())
@@ -247,7 +310,7 @@ WORKER = textwrap.dedent('''
                 "fused_keys": plan.fused_keys, "skipped": skipped}
 
     gp.init()
-    res = {kind: run(kind) for kind in ("dist", "lans")}
+    res = {kind: run(kind) for kind in ("dist", "lans", "int4", "none")}
     json.dump(res, open(f"{out}/{tag}{gp.rank()}.json", "w"))
     gp.shutdown()
 ''')
@@ -281,6 +344,16 @@ def test_fused_pushes_are_bit_identical_and_fewer(tmp_path: Path) -> None:
         # 20 small tensors: one fused key instead of 20 keys a step
         assert b["chunks"][1] - a["chunks"][1] == 19, (a["chunks"], b["chunks"])
         assert a["chunks"][0] < b["chunks"][0]  # the dense step fuses them too
+    # every tensor in buckets, large ones too: int4 cuts each member into the blocks it has
+    # alone, none sums exactly; 25 tensors of int4 in one bucket, the exact one alone
+    for kind, keys, saved in (("int4", 1, 25 - 1), ("none", 1, 26 - 1)):
+        a, b = on[0][kind], off[0][kind]
+        assert a["params"] == on[1][kind]["params"] == b["params"] == off[1][kind]["params"]
+        assert (a["fused_keys"], b["fused_keys"]) == (keys, 0), kind
+        assert b["chunks"][1] - a["chunks"][1] == saved, (kind, a["chunks"], b["chunks"])
+        for run in (a, b):
+            assert run["pushed"] == [run["plan_bytes"]] * 4, (kind, run)
+            assert run["chunks"] == [run["plan_chunks"]] * 4, (kind, run)
 
 
 @pytest.mark.cluster
@@ -292,3 +365,46 @@ def test_fused_pushes_through_hierarchical_aggregation(tmp_path: Path) -> None:
         assert lead[kind]["fused_keys"] == 1
         assert lead[kind]["chunks"][1:] == [lead[kind]["plan_chunks"]] * 3
         assert lead[kind]["pushed"][1:] == [lead[kind]["plan_bytes"]] * 3
+
+
+RESUME = textwrap.dedent('''
+    import sys, torch, gradpress as gp
+    from gradpress import checkpoint
+    ckpt, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
+    gp.init()
+    opt = gp.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+    if mode == "load":
+        checkpoint.load(ckpt, m, opt)
+    for step in range(2):
+        g = torch.Generator().manual_seed(step + 10 * gp.rank())
+        opt.zero_grad()
+        m(torch.randn(8, 32, generator=g)).square().mean().backward()
+        opt.step()
+    if mode == "save":
+        checkpoint.save(ckpt, m, opt, step=2)
+    gp.shutdown()
+''')
+
+
+@pytest.mark.cluster
+def test_a_checkpoint_of_other_buckets_is_refused_at_the_first_step(tmp_path: Path) -> None:
+    # saved with every tensor under its own key, resumed with buckets: the residuals of the
+    # saved keys would be left unused, so the first step refuses, naming one of them
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME)
+
+    def launch(mode: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "gradpress.cli", "launch", "--workers", "2", "--servers",
+               "1", "--", sys.executable, str(script), str(tmp_path / "ck"), mode]
+        base = {k: v for k, v in os.environ.items() if k != "GRADPRESS_FUSION_BYTES"}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                              env={**base, **env})
+
+    saved = launch("save", {"GRADPRESS_FUSION_BYTES": "0"})
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    other = launch("load", {})
+    assert other.returncode != 0
+    assert "CheckpointError: the loaded codec state of '0.bias' belongs to another bucket " \
+           "layout than this run's (1 buckets)" in other.stderr, other.stderr[-3000:]

@@ -236,7 +236,7 @@ sys.stdout.flush()
 @pytest.mark.timeout(300)
 def test_parameter_server_strategy_accumulates_and_clips(tmp_path: Path) -> None:
     """accumulate_grad_batches=3 over 8 batches: optimizer steps after batches 3, 6 and 8 (epoch
-    end), one push_pull per tensor key each; clipping sees the averaged gradients."""
+    end), one push_pull per bucket each; clipping sees the averaged gradients."""
     script = tmp_path / "acc.py"
     script.write_text(ACCUMULATE.format(examples=str(EXAMPLE.parent)))
     env = {k: v for k, v in os.environ.items()
@@ -249,7 +249,8 @@ def test_parameter_server_strategy_accumulates_and_clips(tmp_path: Path) -> None
                   if line.startswith("RESULT"))
     assert [r[0] for r in rows] == ["0", "1"], proc.stdout
     assert rows[0][1:] == rows[1][1:]  # same steps, same parameters, same push_pulls
-    assert rows[0][1] == "3" and rows[0][3] == "6"  # 3 steps x (the 1 MiB weight + 1 fused key)
+    # 3 steps x (the 4 MiB weight, the cap: alone + one bucket of the other five)
+    assert rows[0][1] == "3" and rows[0][3] == "6"
 
 
 def _tensors(obj: object) -> list[torch.Tensor]:

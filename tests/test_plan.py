@@ -55,7 +55,7 @@ def test_plan_before_init_rows_and_reasons() -> None:
     assert (named.codec, named.reason) == ("exact", "named in uncompressed_params")
     small = _row(plan, "0.bias")
     assert small.codec == "exact"
-    assert small.reason == "below min_compress_bytes (16 KiB); in fused key 1 (4 tensors)"
+    assert small.reason == "below min_compress_bytes (16 KiB); in bucket 1 (4 tensors)"
     # the small tensors share one fused key, its header counted on its first member (the
     # last parameter: fused keys follow the reverse parameter order, as backward does)
     assert small.bytes_per_step == 4 * 80 and small.chunks == 0
@@ -95,7 +95,7 @@ def test_nothing_compressed_and_the_nonfinite_flag() -> None:
     assert plan.compressed_tensors == 0
     # every tensor is below 1 MiB: all six share one fused key
     assert {t.reason for t in plan.tensors[:-1]} == {
-        "compression is none; in fused key 1 (6 tensors)"}
+        "compression is none; in bucket 1 (6 tensors)"}
     flag = plan.tensors[-1]
     assert flag.name == "gradpress.nonfinite" and flag.numel == 1 and flag.codec == "exact"
     assert "nothing is compressed" in plan.format().splitlines()[0]
@@ -111,8 +111,8 @@ def test_onebit_lans_plans_the_momentum() -> None:
     assert all(t.reason.startswith("momentum ") for t in plan.tensors)
     assert all(t.key == f"0.weight.clan_m.{i}" for i, t in enumerate(plan.tensors))
     assert _row(plan, "0.weight").codec == "onebit"
-    assert _row(plan, "4.weight").reason == ("momentum named in uncompressed_params; in fused "
-                                             "key 1 (4 tensors)")  # small: fused, too
+    assert _row(plan, "4.weight").reason == ("momentum named in uncompressed_params; in bucket 1 "
+                                             "(4 tensors)")  # small: fused, too
     # the dense phase: bf16 for the tensors not kept exact by name or size, fp32 for the rest
     assert plan.to_dict()["dense_codec"] == "bf16" and "(bf16, " in plan.format()
     none = gp.OneBitLANS(_model().named_parameters(), compression="none", dense_steps=5,
@@ -243,7 +243,7 @@ def test_train_prints_the_plan_once_and_reports_it(tmp_path: Path) -> None:
     assert plan["bytes_per_step"] == rep["bytes_per_step"]["push_last"]
     for t in plan["tensors"]:  # and uncompressed_params="auto": measured in the dense phase
         assert t["reason"].startswith(("compressed with onebit; gradients agree",
-                                       "below min_compress_bytes (36 KiB); in fused key 1",
+                                       "below min_compress_bytes (36 KiB); in bucket 1",
                                        "gradients agree")), t
     assert plan["bytes_per_step"] == rep["codec"]["model_wire_bytes"]
 

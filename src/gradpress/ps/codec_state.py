@@ -261,6 +261,11 @@ class WorkerCheckpoint:
         e = self.engine
         request_server_op(e.cluster, e.transport, e.cfg.timeout, seq, op, directory, tag)
 
+    def pending(self) -> set[str]:
+        """Names of the tensors whose loaded state waits for their first push."""
+        with self._lock:
+            return set(self._pending)
+
     def restore_pending(self, plan: Plan) -> None:
         """Apply loaded state to a new plan; on a mismatch keep it pending and raise."""
         with self._lock:

@@ -10,7 +10,9 @@ Fused, as Horovod's tensor fusion and DDP's buckets do, they pay it once per buc
    ``cap_bytes``; a tensor larger than the cap, or every tensor when the cap is 0, stands
    alone; where the optional ``breaks`` label changes (a device), a new bucket starts. The
    function is pure, so every worker computes the same buckets from the same list without
-   communication.
+   communication. A bucket may align its members (``align``): each slice starts at a
+   multiple of ``align`` elements, zeros in the gaps, so a block-scaled codec cuts every member
+   into the blocks it would have alone.
 2. :func:`fused_keys` names each bucket of two or more tensors after its members
    (:func:`fused_name`, a BLAKE2b digest of their names and sizes): a :class:`FusedKey`. A
    bucket of one tensor is not fused; that tensor keeps its own key.
@@ -62,11 +64,18 @@ class FusedKey:
     members: tuple[str, ...]
     #: The members' element counts, in the same order.
     numels: tuple[int, ...]
+    #: Every member's slice starts at a multiple of ``align`` elements (zeros fill the gaps):
+    #: with a block-scaled codec, the codec's block, so each member is cut into the same blocks
+    #: as when pushed alone.
+    align: int = 1
+    #: Whether the bucket travels exact (fp32) whatever the pushes' codec: tensors kept exact
+    #: by name share buckets of their own.
+    exact: bool = False
 
     @property
     def numel(self) -> int:
-        """Elements of the fused buffer."""
-        return sum(self.numels)
+        """Elements of the fused buffer (padding included)."""
+        return self.offsets[-1] + self.numels[-1]
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -74,7 +83,7 @@ class FusedKey:
         out, at = [], 0
         for n in self.numels:
             out.append(at)
-            at += n
+            at += -(-n // self.align) * self.align
         return tuple(out)
 
 
@@ -114,20 +123,27 @@ def fusion_groups(numels: Sequence[int], cap_bytes: int,
     return groups
 
 
-def fused_name(members: Sequence[str], numels: Sequence[int]) -> str:
+def fused_name(members: Sequence[str], numels: Sequence[int], align: int = 1,
+               exact: bool = False) -> str:
     """The name of a fused key: its first member, how many others, a digest of all (step 2).
 
-    The same members of the same sizes give the same name on every worker and in every run;
-    any change of the members gives another name, so another key.
+    The same members of the same sizes (and the same ``align`` and ``exact``) give the same
+    name on every worker and in every run; any change gives another name, so another key.
     """
     text = "\x00".join(f"{m}\x01{n}" for m, n in zip(members, numels))
+    if align != 1 or exact:
+        text += f"\x02{align}\x02{int(exact)}"
     digest = hashlib.blake2b(text.encode(), digest_size=6, person=b"gradpress-fuse").hexdigest()
     return f"{FUSED_PREFIX}{members[0]}+{len(members) - 1}.{digest}"
 
 
 def fused_keys(entries: Sequence[tuple[str, int]], cap_bytes: int,
-               breaks: Sequence[Hashable] | None = None) -> list[FusedKey]:
-    """The fused keys of ``(name, numel)`` entries (steps 1-2): buckets of two or more."""
+               breaks: Sequence[Hashable] | None = None, *, align: int = 1,
+               exact: bool = False) -> list[FusedKey]:
+    """The fused keys of ``(name, numel)`` entries (steps 1-2): buckets of two or more, each
+    member aligned to ``align`` elements, travelling exact where ``exact``."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}")
     names = [n for n, _ in entries]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -137,7 +153,8 @@ def fused_keys(entries: Sequence[tuple[str, int]], cap_bytes: int,
     for g in fusion_groups(numels, cap_bytes, breaks):
         if len(g) > 1:
             members, sizes = tuple(names[i] for i in g), tuple(numels[i] for i in g)
-            out.append(FusedKey(name=fused_name(members, sizes), members=members, numels=sizes))
+            out.append(FusedKey(name=fused_name(members, sizes, align, exact), members=members,
+                                numels=sizes, align=align, exact=exact))
     return out
 
 

@@ -47,7 +47,7 @@ from ..compress.registry import build
 from ..compress.spec import CodecSpec, EFSpec, parse_spec
 from ._names import _param_names, match_names
 from .agreement import Agreement, AgreementMeter, auto_min_compress_bytes
-from .fusion import DENSE_SUFFIX, fused_codec, gradient_fuser
+from .fusion import DENSE_SUFFIX, check_layout, fused_codec, gradient_fuser
 from .plan import NONFINITE_KEY, Plan, optimizer_plan
 
 __all__ = ["DistributedOptimizer", "match_names", "ALWAYS_EXACT"]
@@ -152,6 +152,13 @@ def _wrap(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str
 
 def _same(value: Any) -> Any:
     return value
+
+
+def _pending_state() -> set[str]:
+    """Tensor names whose loaded codec state waits for their first push (this worker's)."""
+    from .. import api
+
+    return api._rt().worker.checkpoint.pending() if api.is_initialized() else set()
 
 
 def _in_place(grad: torch.Tensor) -> torch.Tensor | None:
@@ -311,6 +318,9 @@ class _Distributed:
                 self._gp_meter.add_average(self._gp_names[p], avg)
         self._gp_handles.clear()
         self._gp_counts.clear()
+        pending = _pending_state()  # loaded state left unclaimed by every push: another layout?
+        if pending:
+            check_layout(self._gp_fuser(), self._gp_names.values(), pending)
         self._gp_skipped = False
         if self._gp_nan == "skip":  # step 3: the step's one read of the finiteness flags
             flag = torch.tensor([1.0 if _any_set(self._gp_nonfinite) else 0.0], device="cpu")
@@ -410,8 +420,9 @@ class _Distributed:
         state = super(self.__class__, self).state_dict()  # type: ignore[misc]
         if codec and api.is_initialized():
             names = set(self._gp_names.values()) | {_FLAG_NAME}
-            if self._gp_fusion is not None:
-                names |= self._gp_fusion.names(("", DENSE_SUFFIX))
+            # the buckets' names, also before the first push (a save right after a load keeps
+            # the loaded residuals, which wait for their first push under these names)
+            names |= self._gp_fuser().names(("", DENSE_SUFFIX))
             state["gradpress"] = api.worker_state_dict(names)
         if self._gp_meter is not None:
             state["gradpress_agreement"] = self._gp_meter.state_dict()

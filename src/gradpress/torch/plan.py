@@ -391,7 +391,6 @@ def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
     key's headers, chunks and rounding, so the rows still add up to what is pushed."""
     from .fusion import fused_codec
 
-    codec = fused_codec(spec)
     where = {m: (i, k, j) for i, k in enumerate(keys) for j, m in enumerate(k.members)}
     out = []
     for t in rows:
@@ -399,10 +398,11 @@ def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
             out.append(t)
             continue
         i, k, j = where[t.key]
+        codec = None if k.exact else fused_codec(spec)
         nbytes, chunks = _member_bytes(k, j, t.numel, partition_bytes, codec)
-        reason = f"{t.reason}; in fused key {i + 1} ({len(k.members)} tensors)" \
-            if codec is None else (f"small: in fused key {i + 1} ({len(k.members)} tensors), "
-                                   f"compressed with {codec.name}")
+        reason = f"{t.reason}; in bucket {i + 1} ({len(k.members)} tensors)" \
+            if codec is None else (f"in bucket {i + 1} ({len(k.members)} tensors), compressed "
+                                   f"with {codec.name}")
         out.append(replace(t, fused=k.name, chunks=chunks, bytes_per_step=nbytes,
                            codec=t.codec if codec is None else codec_text(codec),
                            reason=reason))

@@ -180,21 +180,19 @@ def codec_ratios(named: Sequence[tuple[str, Any]], spec: str, min_compress_bytes
     each chunk costs the codec's payload; smaller ones, those named in ``exact`` (and all with
     codec ``none``) cost a ``none`` payload (fp32 + header) and do not count as compressed
     tensors. With ``fusion_bytes`` (the cap of :mod:`gradpress.torch.fusion`; ``named`` in the
-    optimizer's order) the tensors below ``min_compress_bytes`` share fused keys as at run
-    time, one ``none`` payload per fused chunk.
+    optimizer's order) the tensors share buckets as at run time
+    (:func:`~gradpress.torch.fusion.bucket_keys`), one payload per bucket chunk.
     """
     from ..compress import build
     from ..compress.spec import parse_spec
-    from ..ps.fusion import fused_keys
     from ..ps.partition import chunk_layout
-    from ..torch.fusion import fused_codec, fused_key_bytes
+    from ..torch.fusion import bucket_keys, fused_codec, fused_key_bytes
 
     cs = parse_spec(spec)
-    packed = fused_codec(cs) is not None  # fused keys travel compressed (int4...)
-    small_ones = [(n, p) for n, p in reversed(named)
-                  if 4 * p.numel() < min_compress_bytes and not (packed and n in exact)]
-    keys = fused_keys([(n, p.numel()) for n, p in small_ones], fusion_bytes,
-                      breaks=[str(p.device) for _, p in small_ones])
+    packed = fused_codec(cs) is not None  # buckets travel compressed (int4...)
+    keys = bucket_keys([(n, p.numel(), str(p.device)) for n, p in named],
+                       limit=min_compress_bytes, spec=cs, cap=fusion_bytes,
+                       exact=frozenset(exact))
     share = {m: fused_key_bytes(k, partition_bytes, cs)[0] * n / k.numel
              for k in keys for m, n in zip(k.members, k.numels, strict=True)}
     comp_dense = ncomp = 0
