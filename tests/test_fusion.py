@@ -138,6 +138,26 @@ def test_aligned_members_start_on_blocks_and_pad_with_zeros() -> None:
         fused_keys([("a", 1)], 10, align=0)
 
 
+def test_a_reused_bucket_keeps_its_buffer_only_once_every_result_was_taken() -> None:
+    key = fused_keys([("a", 3), ("b", 2)], 1000, align=4)[0]
+    push = FakePush()
+    fuser = Fuser([key], push, timeout=5.0, reuse=True)
+    ha, hb = fuser.add("a", torch.ones(3)), fuser.add("b", torch.ones(2))
+    first = push.pushed[0][1]
+    assert first.tolist() == [1, 1, 1, 0, 1, 1]  # the gap zeroed on a fresh buffer
+    ha.wait()
+    hb2 = fuser.add("b", torch.full((2,), 3.0))  # next round before b's result was taken
+    assert hb2._round.buf.data_ptr() != ha._round.buf.data_ptr()  # a new buffer
+    fuser.flush()  # a missing: zeros
+    assert push.pushed[1][1].tolist() == [0, 0, 0, 0, 3, 3]
+    hb.wait(), hb2.wait()
+    ha3 = fuser.add("a", torch.full((3,), 5.0))
+    assert ha3._round.buf.data_ptr() == hb2._round.buf.data_ptr()  # every result taken: reused
+    fuser.flush()  # b missing in a reused buffer: zeros, not last round's values
+    assert push.pushed[2][1].tolist() == [5, 5, 5, 0, 0, 0]
+    assert ha3.wait().tolist() == [10.0] * 3
+
+
 def test_bucket_rule_per_codec() -> None:
     from gradpress.compress.spec import parse_spec
     from gradpress.torch.fusion import bucket_keys

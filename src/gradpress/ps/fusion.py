@@ -170,6 +170,7 @@ class _Round:
     ready: threading.Event = field(default_factory=threading.Event)
     handle: Handle | None = None
     error: BaseException | None = None
+    waited: set[str] = field(default_factory=set)  # members whose result was taken
     # CUDA: events recorded after the zero fill of ``buf`` and after each member's copy, on
     # the stream each ran on (a member arrives on the stream of its backward, another on the
     # main thread's); the push waits for all of them (:meth:`Fuser._launch`)
@@ -190,12 +191,20 @@ class Fuser:
         push: ``push(buffer, name) -> Handle``, an exact averaging push_pull (in place).
         timeout: seconds a member's wait may spend waiting for another thread's push of its
             bucket to start (the push itself is bounded by the runtime's own timeout).
+        reuse: a bucket's next round reuses its buffer once the result of every member of the
+            previous round was taken (:meth:`FusedHandle.wait`): no allocation, no page faults,
+            no zero fill of the whole bucket a step. Only for callers that copy each result
+            out before the next round (``DistributedOptimizer`` does): a result kept as it is
+            would be overwritten.
     """
 
-    def __init__(self, keys: Sequence[FusedKey], push: Push, timeout: float) -> None:
+    def __init__(self, keys: Sequence[FusedKey], push: Push, timeout: float,
+                 reuse: bool = False) -> None:
         self.keys = tuple(keys)
         self._push = push
         self._timeout = float(timeout)
+        self._reuse = bool(reuse)
+        self._last: dict[tuple[str, str], _Round] = {}  # reuse: the last round per key, suffix
         self._where = {m: (k, j) for k in self.keys for j, m in enumerate(k.members)}
         self._open: dict[str, _Round] = {}
         self._lock = threading.Lock()
@@ -229,8 +238,9 @@ class Fuser:
             r = old if old is not None and name not in old.arrived and old.suffix == suffix \
                 else None
             if r is None:
-                r = _Round(key, suffix, torch.zeros(key.numel, dtype=torch.float32,
-                                                    device=tensor.device))
+                r = _Round(key, suffix, self._buffer(key, suffix, tensor.device))
+                if self._reuse:
+                    self._last[(key.name, suffix)] = r
                 if r.buf.is_cuda:
                     r.created = torch.cuda.current_stream(r.buf.device).record_event()
                 self._open[key.name] = r
@@ -245,6 +255,21 @@ class Fuser:
         if complete:
             self._launch(r)
         return FusedHandle(self, r, name, off, n, tensor)
+
+    def _buffer(self, key: FusedKey, suffix: str, device: torch.device) -> torch.Tensor:
+        """The buffer of a new round of ``key`` (under the lock): the previous round's when it
+        may be reused, else a new one; the gaps between members zeroed (members are copied
+        in, or zeroed at the push when missing)."""
+        prev = self._last.get((key.name, suffix))
+        if (prev is not None and prev.launched and prev.error is None
+                and prev.buf.device == device and prev.arrived <= prev.waited):
+            buf = prev.buf
+        else:
+            buf = torch.empty(key.numel, dtype=torch.float32, device=device)
+        for off, n, end in zip(key.offsets, key.numels, (*key.offsets[1:], key.numel)):
+            if end > off + n:
+                buf[off + n:end].zero_()
+        return buf
 
     def flush(self) -> None:
         """Push every bucket with members waiting (the missing ones as zeros)."""
@@ -262,11 +287,17 @@ class Fuser:
             if self._open.get(r.key.name) is r:
                 del self._open[r.key.name]
             copies = list(r.copied)
+            missing = [j for j, m in enumerate(r.key.members) if m not in r.arrived]
         try:
             if copies:  # submit's ready event, recorded on this stream, then covers them all
                 stream = torch.cuda.current_stream(r.buf.device)
                 for ev in copies:
                     stream.wait_event(ev)
+            if missing and r.buf.is_cuda:
+                torch.cuda.current_stream(r.buf.device).wait_event(r.created)
+            for j in missing:  # pushed before they arrived: zeros
+                off = r.key.offsets[j]
+                r.buf[off:off + r.key.numels[j]].zero_()
             r.handle = self._push(r.buf, r.name)
         except BaseException as e:
             r.error = e
@@ -324,6 +355,8 @@ class FusedHandle:
         ``timeout`` bounds the wait for the push_pull, as :meth:`Handle.wait`'s does.
         """
         out = self._fuser._wait_launched(self._round, self.name).wait(timeout)
+        with self._fuser._lock:
+            self._round.waited.add(self.name)
         off, n = self._slice
         res = out.reshape(-1)[off:off + n].view(self._shape)
         if res.dtype != self._dtype or res.device != self._device:

@@ -141,11 +141,13 @@ def _push(spec: CodecSpec | None, exact: frozenset[str], buf: torch.Tensor,
 
 
 def make_fuser(keys: Sequence[FusedKey], cfg: PSConfig,
-               spec: CodecSpec | None = None) -> Fuser:
+               spec: CodecSpec | None = None, reuse: bool = False) -> Fuser:
     """A :class:`~gradpress.ps.fusion.Fuser` pushing ``keys`` through ``push_pull_async``
-    (averaged, in place; exact unless :func:`fused_codec` of ``spec`` names a codec)."""
+    (averaged, in place; exact unless :func:`fused_codec` of ``spec`` names a codec);
+    ``reuse``: each bucket keeps its buffer from step to step."""
     exact = frozenset(k.name for k in keys if k.exact)
-    return Fuser(keys, functools.partial(_push, fused_codec(spec), exact), cfg.timeout)
+    return Fuser(keys, functools.partial(_push, fused_codec(spec), exact), cfg.timeout,
+                 reuse=reuse)
 
 
 def fused_key_bytes(key: FusedKey, partition_bytes: int,
@@ -171,7 +173,7 @@ def gradient_fuser(names: Mapping[torch.Tensor, str], min_compress_bytes: int | 
     cfg = api.config()
     keys = tensor_fusion(entries, min_compress_bytes=min_compress_bytes, spec=spec, cfg=cfg,
                          exact=exact)
-    return make_fuser(keys, cfg, spec)
+    return make_fuser(keys, cfg, spec, reuse=True)  # synchronize() copies every result out
 
 
 def momentum_fuser(param_groups: Sequence[dict], *, prefix: str, spec: CodecSpec | None,

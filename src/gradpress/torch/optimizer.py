@@ -310,8 +310,8 @@ class _Distributed:
                     self._gp_push(p)
         for p, h in self._gp_handles.items():
             avg = h.wait()  # CUDA: the current stream waits for the result (the host does not)
-            if p.grad is None:
-                p.grad = avg.to(dtype=p.dtype)
+            if p.grad is None:  # a copy: avg may be a slice of a bucket reused next step
+                p.grad = avg.to(dtype=p.dtype, copy=True)
             elif avg.data_ptr() != p.grad.data_ptr():  # else averaged in place already
                 p.grad.copy_(avg)
             if self._gp_meter is not None:
