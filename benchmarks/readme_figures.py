@@ -1,18 +1,24 @@
-"""The README's figure blocks, rendered from records (``python benchmarks/results_md.py``).
+"""The figure blocks of README.md and docs/tour.md, rendered from records
+(``python benchmarks/results_md.py``).
 
-A block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->`` in README.md;
-everything between the two markers is rewritten from :data:`BLOCKS`:
+A block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->``; everything between
+the two markers is rewritten from :data:`BLOCKS` (links are made relative to the page: ``root``
+is the way from the page to the repository's root):
 
-* ``plan``: an abridged ``opt.plan().format()`` of the bundled transformer, from the ``plan``
-  of ``records/plan-stdlib-mlm/report.json`` (rebuilt as a :class:`gradpress.torch.plan.Plan`
-  and formatted by its own ``format``; its totals must equal the report's);
-* ``demo``: the table and the link budget of ``records/demo-100mbit/report.json``
-  (``gradpress demo --bandwidth 100mbit``), with the machine of its ``record.json``;
-* ``results``: the headline rows, each cell taken from a table of
+* ``results`` (README): the headline rows, each cell taken from a table of
   ``benchmarks/results/*.json`` (the tables of docs/results.md; the transformer and MLP speed
   rows from ``cluster-tfm`` and ``cluster-mlp``, written by ``benchmarks/issue40.py
-  --write-results`` from their records), and every accuracy target with its result: met, not
-  met, incomplete or not run.
+  --write-results`` from their records), each naming the machine and the commit its table
+  records;
+* ``limits`` (README): every accuracy target not met, incomplete or not run, one line each;
+* ``plan`` (tour): an abridged ``opt.plan().format()`` of the bundled transformer, from the
+  ``plan`` of ``records/plan-stdlib-mlm/report.json`` (rebuilt as a
+  :class:`gradpress.torch.plan.Plan` and formatted by its own ``format``; its totals must equal
+  the report's);
+* ``demo`` (tour): the table and the link budget of ``records/demo-100mbit/report.json``
+  (``gradpress demo --bandwidth 100mbit``), with the machine of its ``record.json``;
+* ``targets`` (tour): every accuracy target with its result: met, not met, incomplete or not
+  run.
 
 No figure is computed here: each is a string of a record, or a number of a report formatted
 as the run printed it. The records are refreshed by ``python benchmarks/results_md.py --rerun
@@ -30,6 +36,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benchmarks" / "results" / "records"
 README = ROOT / "README.md"
+TOUR = ROOT / "docs" / "tour.md"
+#: The blocks of each page, in order.
+PAGES = {README: ["results", "limits"], TOUR: ["plan", "demo", "targets"]}
 
 #: The command of each record behind a block (``python benchmarks/results_md.py --rerun NAME``
 #: runs it through ``record.py``; ``{out}`` is the record's directory).
@@ -70,10 +79,10 @@ def machine_text(rec: Mapping[str, Any]) -> str:
             f"{rec['load_before'][0]} before and {rec['load_after'][0]} after the run")
 
 
-def provenance(rec: Mapping[str, Any], name: str, where: bool = True) -> str:
+def provenance(rec: Mapping[str, Any], name: str, where: bool = True, root: str = "") -> str:
     """The record's line under a block: command, commit and (``where``) machine."""
     dirty = f", with local changes to {', '.join(rec['dirty'])}" if rec.get("dirty") else ""
-    return (f"Record: [benchmarks/results/records/{name}](benchmarks/results/records/{name}/"
+    return (f"Record: [benchmarks/results/records/{name}]({root}benchmarks/results/records/{name}/"
             f"record.json), `{rec['command']}` at commit `{rec['commit'][:10]}`{dirty}, "
             f"{rec['started'][:10]}" + (f", on {machine_text(rec)}." if where else "."))
 
@@ -117,18 +126,21 @@ def abridge(text: str, plan: Mapping[str, Any]) -> str:
     return "\n".join([head, cols, *(rows[i] for i in keep), "...", total])
 
 
-def plan_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS) -> str:
+def plan_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS,
+               root: str = "") -> str:
     rec, report = read_record("plan-stdlib-mlm", records)
     if not isinstance(report.get("plan"), dict):
         raise ValueError("records/plan-stdlib-mlm/report.json has no plan (the run stopped "
                          "before its compressed phase)")
     text = abridge(plan_text(report["plan"], f"plan of run {report['run']}"), report["plan"])
-    return "\n".join(["```text", text, "```", "", provenance(rec, "plan-stdlib-mlm")])
+    return "\n".join(["```text", text, "```", "",
+                      provenance(rec, "plan-stdlib-mlm", root=root)])
 
 
 # -- demo -------------------------------------------------------------------------------------
 
-def demo_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS) -> str:
+def demo_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS,
+               root: str = "") -> str:
     rec, report = read_record("demo-100mbit", records)
     if report.get("status") != "completed":
         raise ValueError(f"records/demo-100mbit: the demo did not complete "
@@ -140,7 +152,7 @@ def demo_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS) -
         f"one cluster) in one network namespace whose loopback is limited to "
         f"{report['bandwidth']}, on "
         f"{machine_text(rec)}. The times are that machine's; the bytes are the same anywhere.",
-        "", provenance(rec, "demo-100mbit", where=False)])
+        "", provenance(rec, "demo-100mbit", where=False, root=root)])
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -169,9 +181,16 @@ def cell(sections: Sequence[Mapping[str, Any]], table_id: str, column: str,
     return rows[0][cols.index(column)]
 
 
-def _link(table: Mapping[str, Any]) -> str:
+def _link(table: Mapping[str, Any], root: str = "", text: str = "record") -> str:
     slug = re.sub(r"[^\w\- ]", "", table["title"].strip().lower()).replace(" ", "-")
-    return f"[record](docs/results.md#{slug})"
+    return f"[{text}]({root}docs/results.md#{slug})"
+
+
+def where(table: Mapping[str, Any]) -> str:
+    """Where a table's figures were measured: its ``machine`` up to the first ``;`` and the
+    commit it names."""
+    machine = re.split(r", (?:load average|shared|the one)|;", table["machine"])[0]
+    return f"{machine.rstrip('. ')}; commit `{table['commit'].split()[0]}`"
 
 
 def target_result(runs: str, result: str) -> str:
@@ -195,78 +214,95 @@ def _versus(speedup: str) -> str:
 
 
 def _cluster_row(sections: Sequence[Mapping[str, Any]], model: str, what: str,
-                 where: str) -> tuple[str, ...]:
+                 root: str) -> tuple[str, ...]:
     """A speed row of the issue-40 tables: the PS path (colocated) against DDP + fp16 and
     PowerSGD rank 1, and the two-way hook beside it."""
     tid, fp16 = f"cluster-{model}", "speed-up vs DDP + fp16 hook"
     psgd = "speed-up vs DDP + PowerSGD hook (rank 1)"
-    hook = "DDP + gradpress two-way onebit hook"
-    return (f"{what}, median of 3 runs", where,
+    hook, table = "DDP + gradpress two-way onebit hook", find_table(sections, tid)
+    return (f"{what}, median of 3 runs", where(table),
             "CLAN one-bit, parameter-server path (servers in the workers)",
             f"{_versus(cell(sections, tid, fp16, system=PS_COLOC))} DDP + fp16 hook, "
             f"{_versus(cell(sections, tid, psgd, system=PS_COLOC))} DDP + PowerSGD rank 1 "
             f"(speed-ups of gradpress's DDP hook: {cell(sections, tid, fp16, system=hook)} and "
-            f"{cell(sections, tid, psgd, system=hook)})", _link(find_table(sections, tid)))
+            f"{cell(sections, tid, psgd, system=hook)})", _link(table, root))
 
 
-def results_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS) -> str:
+def results_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS,
+                  root: str = "") -> str:
     def c(table_id: str, column: str, **match: str) -> str:
         return cell(sections, table_id, column, **match)
 
-    one_host = "processes on one 2-core machine"
-    namespaces = "2 emulated hosts, 1 Gbit/s each (network namespaces on one 2-core machine)"
     digits, vgg, codecs = (find_table(sections, i) for i in ("digits-cnn", "cluster-vgg",
                                                                "codecs"))
+    top = "topk:k=0.001,values=fp16 (int32 indices)"
     rows = [
-        ("CNN on digits, 3 seeds", f"2 workers, 1 server: {one_host}",
+        ("CNN on digits, 3 seeds", where(digits),
          f"CLAN one-bit, {c('digits-cnn', 'model vs fp32', method='CLAN', codec='onebit')} "
          "fewer bytes than fp32",
          f"test accuracy {c('digits-cnn', 'test accuracy % (n=3)', method='CLAN', codec='onebit')}"
          f"%, uncompressed {c('digits-cnn', 'test accuracy % (n=3)', codec='none', lr='0.004', method='CLAN (`--optimizer clan`)')}%",  # noqa: E501
-         _link(digits)),
-        ("CNN on digits, 3 seeds", f"2 workers, 1 server: {one_host}",
-         "CLAN top-k 0.1% fp16, "
-         f"{c('digits-cnn', 'model vs fp32', method='CLAN', codec='topk:k=0.001,values=fp16 (int32 indices)')}"  # noqa: E501
-         " fewer bytes", "test accuracy "
-         f"{c('digits-cnn', 'test accuracy % (n=3)', method='CLAN', codec='topk:k=0.001,values=fp16 (int32 indices)')}%",  # noqa: E501
-         _link(digits)),
-        ("VGG-style net (34M parameters), one training step", namespaces, "CLAN one-bit",
+         _link(digits, root)),
+        ("CNN on digits, 3 seeds", where(digits),
+         f"CLAN top-k 0.1% fp16, {c('digits-cnn', 'model vs fp32', method='CLAN', codec=top)}"
+         " fewer bytes",
+         f"test accuracy {c('digits-cnn', 'test accuracy % (n=3)', method='CLAN', codec=top)}%",
+         _link(digits, root)),
+        ("VGG-style net (34M parameters), one training step", where(vgg), "CLAN one-bit",
          f"{c('cluster-vgg', 'speed-up vs DDP fp32', system='gradpress onebit')} faster than "
          f"DDP fp32 (DDP + PowerSGD: "
          f"{c('cluster-vgg', 'speed-up vs DDP fp32', system='DDP + PowerSGD hook (rank 4)')})",
-         _link(vgg)),
-        *(_cluster_row(sections, model, what, namespaces) for model, what in (
+         _link(vgg, root)),
+        *(_cluster_row(sections, model, what, root) for model, what in (
             ("tfm", "Transformer encoder (12 layers, d=384, 148 tensors), one training step"),
             ("mlp", "MLP (100 MB of fp32 gradients), one training step"))),
-        ("one-bit codec, 64 MB buffer", "one CPU thread of a 2-core machine", "one-bit",
+        ("one-bit codec, 64 MB buffer", where(codecs), "one-bit",
          f"compresses at {c('codecs', 'compress GB/s', spec='onebit')} GB/s, "
-         f"{c('codecs', 'compress x copy', spec='onebit')}x a memory copy", _link(codecs)),
+         f"{c('codecs', 'compress x copy', spec='onebit')}x a memory copy", _link(codecs, root)),
     ]
-    out = ["| workload | where | compression | result | |", "|---|---|---|---|---|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    targets = find_table(sections, "targets")
-    cols = targets["columns"]
+    out = ["| workload | measured on | compression | result | |", "|---|---|---|---|---|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
 
-    def get(r: Sequence[str], name: str) -> str:
-        return r[cols.index(name)]
 
-    out += ["", "The accuracy targets: `gp.OneBitLANS` at its defaults against uncompressed "
-            "LANS, 3 seeds each, 2 workers and 1 server (processes on one 2-core machine) "
-            "unless the target says otherwise; the gap is paired by seed "
-            f"({_link(targets)}):", "",
-            "| target | task | steps | codec | requirement (every seed) | gap per seed | result |",
-            "|---|---|---|---|---|---|---|"]
-    for r in targets["rows"]:
-        gaps = get(r, "gap per seed")
+def _targets(sections: Sequence[Mapping[str, Any]]) -> tuple[Mapping[str, Any], list[dict]]:
+    """The targets table and its rows as dicts (column -> cell)."""
+    t = find_table(sections, "targets")
+    return t, [dict(zip(t["columns"], r, strict=True)) for r in t["rows"]]
+
+
+def targets_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS,
+                  root: str = "") -> str:
+    table, rows = _targets(sections)
+    out = ["The accuracy targets: `gp.OneBitLANS` at its defaults against uncompressed LANS, 3 "
+           "seeds each, 2 workers and 1 server (processes on one 2-core machine) unless the "
+           f"target says otherwise; the gap is paired by seed ({_link(table, root)}):", "",
+           "| target | task | steps | codec | requirement (every seed) | gap per seed | result |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
         out.append("| " + " | ".join([
-            get(r, "target"), get(r, "task"), get(r, "steps"), get(r, "codec"),
-            get(r, "requirement (every seed)"), "-" if gaps == "-" else gaps,
-            target_result(get(r, "runs"), get(r, "result"))]) + " |")
+            r["target"], r["task"], r["steps"], r["codec"], r["requirement (every seed)"],
+            r["gap per seed"], target_result(r["runs"], r["result"])]) + " |")
+    return "\n".join(out)
+
+
+def limits_block(sections: Sequence[Mapping[str, Any]], records: Path = RECORDS,
+                 root: str = "") -> str:
+    """One line per accuracy target of the targets table that is not met, incomplete or not
+    run."""
+    table, rows = _targets(sections)
+    out = []
+    for r in rows:
+        result = target_result(r["runs"], r["result"])
+        if result != "met":
+            out.append(f"- `gp.OneBitLANS` target {r['target']} ({r['task']}, {r['steps']} "
+                       f"steps, {r['codec']}, {r['requirement (every seed)']}): {result} "
+                       f"({_link(table, root, 'table')})")
     return "\n".join(out)
 
 
 BLOCKS: dict[str, Callable[..., str]] = {"plan": plan_block, "demo": demo_block,
-                                         "results": results_block}
+                                         "results": results_block, "targets": targets_block,
+                                         "limits": limits_block}
 _BLOCK = re.compile(r"(<!-- figures:(\w+) -->\n)(.*?)(<!-- /figures:\2 -->)", re.S)
 
 
@@ -276,13 +312,21 @@ def block_names(text: str) -> list[str]:
 
 
 def render_readme(text: str, sections: Sequence[Mapping[str, Any]],
-                  records: Path = RECORDS) -> str:
-    """``text`` with every figure block rewritten; ValueError for an unknown block name."""
+                  records: Path = RECORDS, root: str = "") -> str:
+    """``text`` with every figure block rewritten (``root``: the way from the page to the
+    repository's root, for links); ValueError for an unknown block name."""
     def sub(m: re.Match[str]) -> str:
         name = m.group(2)
         if name not in BLOCKS:
-            raise ValueError(f"README.md: unknown figure block {name!r}; known: "
-                             f"{', '.join(BLOCKS)}")
-        return f"{m.group(1)}{BLOCKS[name](sections, records)}\n{m.group(4)}"
+            raise ValueError(f"unknown figure block {name!r}; known: {', '.join(BLOCKS)}")
+        return f"{m.group(1)}{BLOCKS[name](sections, records, root)}\n{m.group(4)}"
 
     return _BLOCK.sub(sub, text)
+
+
+def render_pages(sections: Sequence[Mapping[str, Any]],
+                 records: Path = RECORDS) -> dict[Path, str]:
+    """Every page of :data:`PAGES` with its blocks rendered."""
+    return {page: render_readme(page.read_text(), sections, records,
+                                "../" * (len(page.relative_to(ROOT).parts) - 1))
+            for page in PAGES}

@@ -1,5 +1,6 @@
-"""Render docs/results.md from the result files in benchmarks/results/*.json, and the README's
-figure blocks from them and the records in benchmarks/results/records/ (readme_figures.py).
+"""Render docs/results.md from the result files in benchmarks/results/*.json, and the figure
+blocks of README.md and docs/tour.md from them and the records in benchmarks/results/records/
+(readme_figures.py).
 
 Usage::
 
@@ -60,11 +61,12 @@ FOOTER = """\
 
 The tables live in `benchmarks/results/*.json` (one file per section of this page). After a
 benchmark run, edit the rows (and `date`, `commit`, `machine`, `commands`) of the table it
-measured and run `python benchmarks/results_md.py`, which also renders the README's figure
-blocks; `tests/test_docs.py` and `tests/test_figures.py` fail while either is stale. A figure
-that another table holds is referenced as `{{TABLE|ROW|COLUMN}}`, not copied. The README's
-plan and demo come from `benchmarks/results/records/` (`benchmarks/record.py`: command, commit,
-machine); `python benchmarks/results_md.py --rerun plan-stdlib-mlm demo-100mbit` remeasures them.
+measured and run `python benchmarks/results_md.py`, which also renders the figure blocks of
+the README and [tour.md](tour.md); `tests/test_docs.py` and `tests/test_figures.py` fail while
+one is stale. A figure that another table holds is referenced as `{{TABLE|ROW|COLUMN}}`, not
+copied. The tour's plan and demo come from `benchmarks/results/records/`
+(`benchmarks/record.py`: command, commit, machine);
+`python benchmarks/results_md.py --rerun plan-stdlib-mlm demo-100mbit` remeasures them.
 `python benchmarks/push_pull.py --json FILE` writes its rows in the layout of its printed table;
 `python benchmarks/results_md.py --push-pull FILE` copies the codec rows of part (a) into the
 `push-pull` table and rewrites the page. `python benchmarks/cluster.py --json FILE` writes
@@ -196,8 +198,8 @@ def import_push_pull(rows_file: Path, target: Path = RESULTS / "performance.json
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true",
-                   help="exit 1 if docs/results.md or the README's figure blocks differ from what "
-                        "the records give")
+                   help="exit 1 if docs/results.md or the figure blocks of README.md and "
+                        "docs/tour.md differ from what the records give")
     p.add_argument("--push-pull", type=Path, metavar="FILE",
                    help="first copy the part (a) rows of `push_pull.py --json FILE` into "
                         "performance.json")
@@ -214,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.push_pull:
         import_push_pull(args.push_pull)
     sections = load_results()
-    pages = {PAGE: render(sections),
-             README: readme_figures.render_readme(README.read_text(), sections)}
+    pages = {PAGE: render(sections), **readme_figures.render_pages(sections)}
     if args.check:
         stale = [page for page, text in pages.items()
                  if (page.read_text() if page.exists() else "") != text]

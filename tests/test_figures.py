@@ -49,20 +49,38 @@ def sections() -> list[dict[str, Any]]:
     return results_md.load_results()
 
 
-def test_readme_figure_blocks_equal_their_records(sections: list[dict[str, Any]]) -> None:
-    text = README.read_text()
-    assert readme_figures.render_readme(text, sections) == text, \
-        "README.md's figure blocks differ from their records: run python benchmarks/results_md.py"
+TOUR = ROOT / "docs" / "tour.md"
 
 
-def test_readme_has_the_figure_blocks() -> None:
-    assert readme_figures.block_names(README.read_text()) == ["plan", "demo", "results"]
+def test_figure_blocks_equal_their_records(sections: list[dict[str, Any]]) -> None:
+    for page, text in readme_figures.render_pages(sections).items():
+        assert page.read_text() == text, \
+            f"{page.name}'s figure blocks differ from their records: run python " \
+            f"benchmarks/results_md.py"
 
 
-def test_no_figure_in_the_readme_outside_the_blocks() -> None:
-    hits = figures_outside_blocks(README.read_text())
-    assert not hits, "figures in README.md with no record (put them in a figure block):\n" + \
-        "\n".join(hits)
+def test_pages_have_their_figure_blocks() -> None:
+    assert readme_figures.block_names(README.read_text()) == ["results", "limits"]
+    assert readme_figures.block_names(TOUR.read_text()) == ["plan", "demo", "targets"]
+
+
+def test_no_figure_outside_the_blocks() -> None:
+    for page in (README, TOUR):
+        hits = figures_outside_blocks(page.read_text())
+        assert not hits, f"figures in {page.name} with no record (put them in a figure " \
+            f"block):\n" + "\n".join(hits)
+
+
+def test_readme_is_a_product_page() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 120, f"README.md has {len(lines)} lines (at most 120)"
+    block = README.read_text().split("<!-- figures:results -->")[1].split("<!-- /")[0]
+    rows = [r for r in block.splitlines() if r.startswith("| ") and not r.startswith("| work")]
+    assert 1 <= len(rows) <= 6, rows
+    for r in rows:  # every row names its machine and commit and links its table
+        where = r.split(" | ")[1]
+        assert "core" in where and "commit `" in where and "](docs/results.md#" in r, r
+    assert "## Known limits" in README.read_text()
 
 
 def test_a_changed_or_added_figure_is_caught(sections: list[dict[str, Any]]) -> None:
@@ -134,10 +152,13 @@ def test_failed_and_unrun_targets_read_as_such(sections: list[dict[str, Any]]) -
     unrun[cols.index("gap per seed")] = "-"
     failed[0], failed[cols.index("result")] = "f", "not met (seed 1 at +3.51%)"
     t["rows"] = [unrun, failed]
-    block = readme_figures.results_block(s)
+    block = readme_figures.targets_block(s)
     assert "| u | " in block and block.split("| u | ")[1].split("\n")[0].endswith(
         "**not run** |")
     assert "**not met (seed 1 at +3.51%)** |" in block
+    limits = readme_figures.limits_block(s).splitlines()  # both in the README's limits
+    assert len(limits) == 2 and limits[0].startswith("- `gp.OneBitLANS` target u (")
+    assert "**not run**" in limits[0] and "**not met (seed 1 at +3.51%)**" in limits[1]
     assert readme_figures.target_result("4/6", "incomplete") == "incomplete (4/6 runs)"
     assert readme_figures.target_result("0/6", "incomplete") == "**not run**"
 
@@ -211,7 +232,6 @@ NOT_MEASURED = [
     ("paper-comparison.md", "## 2. Predictions beside the paper (25 Gbit/s"),
     ("performance.md", "step time behind a 1 Gbit/s link per codec"),
     ("performance.md", '"2 hosts at 1 Gbit/s" in these pages'),
-    ("reference/cli.md", "CLAN one-bit, CLAN top-k 0.1% |"),
     ("reference/cli.md", "bandwidth (100GB/s)"),
     ("reference/cli.md", "bandwidth (10GB/s)"),
 ]

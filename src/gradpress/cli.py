@@ -213,11 +213,12 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from .train.cli import add_demo_arguments
 
     p = sub.add_parser(
-        "demo", help="digits CNN uncompressed, CLAN onebit, CLAN topk k=0.001 side by side",
-        description="Train digits-cnn uncompressed, with CLAN onebit and with CLAN topk k=0.001 "
-                    "fp16 in one local cluster; print a table with each run's time to the "
-                    "uncompressed run's final accuracy and write plots. With --bandwidth RATE "
-                    "(as root) the cluster runs behind a link of RATE (docs/reference/cli.md).")
+        "demo", help="the digits CNN uncompressed, int4, CLAN onebit and DiLoCo side by side",
+        description="Train digits-cnn uncompressed, with the default int4, with CLAN onebit "
+                    "and with DiLoCo in one local cluster; print a table with each run's time "
+                    "to the uncompressed run's final accuracy and write plots. With --bandwidth "
+                    "RATE (as root) the cluster runs behind a link of RATE "
+                    "(docs/reference/cli.md).")
     return add_demo_arguments(p)
 
 
