@@ -93,15 +93,12 @@ def bucket_keys(entries: Sequence[tuple[str, int, str]], *, limit: int,
 
     if spec is not None and spec.name == "none":  # step 1: all exact
         return keys(order, exact=True)
-    if codec is not None and not _ef_needs_lr(spec):  # step 1: all, aligned to the blocks
-        lossy = [e for e in order if e[0] not in exact]
-        return (keys(lossy, align=_block(codec))
-                + keys([e for e in order if e[0] in exact], exact=True))
     small = [e for e in order if 4 * e[1] < limit]  # step 2
     if codec is None:
         return keys(small)
-    return (keys([e for e in small if e[0] not in exact], align=_block(codec))
-            + keys([e for e in small if e[0] in exact], exact=True))
+    pool = small if _ef_needs_lr(spec) else order  # step 1: all, aligned to the blocks
+    return (keys([e for e in pool if e[0] not in exact], align=_block(codec))
+            + keys([e for e in pool if e[0] in exact], exact=True))
 
 
 def _block(codec: CodecSpec) -> int:

@@ -399,7 +399,7 @@ def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
             continue
         i, k, j = where[t.key]
         codec = None if k.exact else fused_codec(spec)
-        nbytes, chunks = _member_bytes(k, j, t.numel, partition_bytes, codec)
+        nbytes, chunks = member_bytes(k, j, t.numel, partition_bytes, codec)
         reason = f"{t.reason}; in bucket {i + 1} ({len(k.members)} tensors)" \
             if codec is None else (f"in bucket {i + 1} ({len(k.members)} tensors), compressed "
                                    f"with {codec.name}")
@@ -409,8 +409,8 @@ def fuse_rows(rows: Sequence[TensorPlan], keys: Sequence[FusedKey],
     return tuple(out)
 
 
-def _member_bytes(k: FusedKey, j: int, numel: int, partition_bytes: int,
-                  codec: CodecSpec | None) -> tuple[int, int]:
+def member_bytes(k: FusedKey, j: int, numel: int, partition_bytes: int,
+                 codec: CodecSpec | None) -> tuple[int, int]:
     """``(bytes, chunks)`` the ``j``-th member of fused key ``k`` carries in :func:`fuse_rows`."""
     from .fusion import fused_key_bytes
 

@@ -186,15 +186,16 @@ def codec_ratios(named: Sequence[tuple[str, Any]], spec: str, min_compress_bytes
     from ..compress import build
     from ..compress.spec import parse_spec
     from ..ps.partition import chunk_layout
-    from ..torch.fusion import bucket_keys, fused_codec, fused_key_bytes
+    from ..torch.fusion import bucket_keys, fused_codec
+    from ..torch.plan import member_bytes
 
     cs = parse_spec(spec)
     packed = fused_codec(cs) is not None  # buckets travel compressed (int4...)
     keys = bucket_keys([(n, p.numel(), str(p.device)) for n, p in named],
                        limit=min_compress_bytes, spec=cs, cap=fusion_bytes,
                        exact=frozenset(exact))
-    share = {m: fused_key_bytes(k, partition_bytes, cs)[0] * n / k.numel
-             for k in keys for m, n in zip(k.members, k.numels, strict=True)}
+    share = {m: member_bytes(k, j, n, partition_bytes, None if k.exact else fused_codec(cs))[0]
+             for k in keys for j, (m, n) in enumerate(zip(k.members, k.numels, strict=True))}
     comp_dense = ncomp = 0
     comp_wire = model_dense = model_wire = 0.0
     dense_only = cs.name == "none"
